@@ -1,0 +1,181 @@
+//! The credits service: its schema, handlers and router. `examples/credits.rs` serves it;
+//! the tests drive the same router in-process.
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+use sqlx::PgPool;
+use tower_inbox::producer::TrustedHeader;
+use tower_inbox::{ConfigError, InboxLayer, InboxLayerBuilder, InboxTx};
+
+/// The consumer name the credits service claims commands under.
+pub const CONSUMER: &str = "credits";
+
+/// The example's own tables. A real service keeps these in its migrations.
+///
+/// The ledger deliberately has no unique constraint on the message identity: the inbox is
+/// what keeps a retried command from being applied twice, and the tests count ledger rows to
+/// prove it.
+const SCHEMA: &str = "
+create table if not exists credit_account (
+    account_id text primary key,
+    balance    bigint not null
+);
+create table if not exists credit_ledger (
+    id            bigint generated always as identity primary key,
+    account_id    text   not null references credit_account,
+    delta         bigint not null,
+    balance_after bigint not null,
+    consumer_name text   not null,
+    producer_name text   not null,
+    message_id    text   not null,
+    created_at    timestamptz not null default now()
+);
+";
+
+/// Runs the inbox migrations and creates the example's tables.
+pub async fn prepare(pool: &PgPool) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    tower_inbox::migrate(pool).await?;
+    // One advisory lock so that two instances starting together do not race on CREATE.
+    let mut tx = pool.begin().await?;
+    sqlx::query("select pg_advisory_xact_lock(7367245)")
+        .execute(&mut *tx)
+        .await?;
+    sqlx::raw_sql(SCHEMA).execute(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The service's routes with the example's inbox settings.
+pub fn router(pool: PgPool) -> Result<Router, ConfigError> {
+    let inbox = inbox_layer(pool.clone()).build()?;
+    Ok(routes(pool, inbox))
+}
+
+/// The example's inbox settings, open to further changes before `build()`.
+pub fn inbox_layer(pool: PgPool) -> InboxLayerBuilder {
+    InboxLayer::builder(pool, CONSUMER)
+        // Stands in for authentication: a gateway would set it from the client's credentials.
+        .producer(TrustedHeader::new("x-producer"))
+        .body_limit(1024 * 1024)
+}
+
+/// The credit command behind `inbox`, the read beside it.
+pub fn routes(pool: PgPool, inbox: InboxLayer) -> Router {
+    Router::new()
+        .route("/accounts/{account_id}/credits", post(credit))
+        .route_layer(inbox)
+        .route("/accounts/{account_id}", get(account))
+        .with_state(pool)
+}
+
+#[derive(Deserialize)]
+struct CreditRequest {
+    delta: i64,
+}
+
+#[derive(Serialize)]
+struct Credited {
+    account_id: String,
+    balance: i64,
+    delta: i64,
+}
+
+async fn credit(
+    Path(account_id): Path<String>,
+    mut tx: InboxTx,
+    body: Result<Json<CreditRequest>, JsonRejection>,
+) -> Response {
+    // Every malformed body is 422, which the layer rolls back unrecorded: the client may
+    // fix the body and retry with the same key.
+    let Json(request) = match body {
+        Ok(body) => body,
+        Err(rejection) => return problem(StatusCode::UNPROCESSABLE_ENTITY, &rejection.body_text()),
+    };
+    if account_id.is_empty() || account_id.len() > 128 {
+        return problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "account_id must be 1 to 128 bytes",
+        );
+    }
+    let balance: Result<i64, sqlx::Error> = sqlx::query_scalar(
+        "insert into credit_account (account_id, balance) values ($1, $2)
+         on conflict (account_id) do update set balance = credit_account.balance + excluded.balance
+         returning balance",
+    )
+    .bind(&account_id)
+    .bind(request.delta)
+    .fetch_one(&mut *tx)
+    .await;
+    let balance = match balance {
+        Ok(balance) => balance,
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22003") => {
+            return problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "the balance would overflow",
+            );
+        }
+        Err(e) => return server_error(e),
+    };
+    let identity = tx.identity().clone();
+    let ledger = sqlx::query(
+        "insert into credit_ledger
+             (account_id, delta, balance_after, consumer_name, producer_name, message_id)
+         values ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(&account_id)
+    .bind(request.delta)
+    .bind(balance)
+    .bind(identity.consumer())
+    .bind(identity.producer().name())
+    .bind(identity.message_id().as_str())
+    .execute(&mut *tx)
+    .await;
+    if let Err(e) = ledger {
+        return server_error(e);
+    }
+    let body = Credited {
+        account_id,
+        balance,
+        delta: request.delta,
+    };
+    (StatusCode::CREATED, Json(body)).into_response()
+}
+
+async fn account(State(pool): State<PgPool>, Path(account_id): Path<String>) -> Response {
+    let balance: Result<Option<i64>, sqlx::Error> =
+        sqlx::query_scalar("select balance from credit_account where account_id = $1")
+            .bind(&account_id)
+            .fetch_optional(&pool)
+            .await;
+    match balance {
+        Ok(Some(balance)) => {
+            Json(json!({ "account_id": account_id, "balance": balance })).into_response()
+        }
+        Ok(None) => problem(StatusCode::NOT_FOUND, "no such account"),
+        Err(e) => server_error(e),
+    }
+}
+
+fn server_error(e: sqlx::Error) -> Response {
+    tracing::error!(error = %e, "credits query failed");
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the credit could not be applied",
+    )
+}
+
+fn problem(status: StatusCode, detail: &str) -> Response {
+    let body = json!({ "type": "about:blank", "title": status.canonical_reason(), "status": status.as_u16(), "detail": detail });
+    (
+        status,
+        [(axum::http::header::CONTENT_TYPE, "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}

@@ -1,0 +1,143 @@
+//! The handler's side: the [`InboxTx`] extractor.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
+
+use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+use http::request::Parts;
+use sqlx::PgConnection;
+use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
+
+use crate::identity::MessageIdentity;
+use crate::inbox::ClaimedMessage;
+use crate::problem::{Problem, ProblemKind};
+
+/// Where the layer parks the claimed transaction while the handler runs.
+///
+/// The handler borrows it through [`InboxTx`] (holding the mutex); afterwards the layer takes
+/// it back with `try_lock`. A handle that outlives the handler keeps the mutex locked, which
+/// is how the layer knows the transaction leaked and must not be committed.
+#[derive(Clone)]
+pub(crate) struct TxSlot(Arc<Mutex<Option<ClaimedMessage>>>);
+
+impl TxSlot {
+    pub(crate) fn new(message: ClaimedMessage) -> Self {
+        Self(Arc::new(Mutex::new(Some(message))))
+    }
+
+    /// Takes the transaction back, or `None` when a handle to it is still alive.
+    pub(crate) fn take(&self) -> Option<ClaimedMessage> {
+        self.0.try_lock().ok()?.take()
+    }
+}
+
+/// The transaction the inbox layer claimed the request's message in.
+///
+/// Run the business writes on it and they commit atomically with the claim and the recorded
+/// response, or not at all. It dereferences to a [`PgConnection`]:
+///
+/// ```
+/// use axum::{extract::Path, http::StatusCode, Json};
+/// use tower_inbox::InboxTx;
+///
+/// async fn credit(
+///     Path(account): Path<String>,
+///     mut tx: InboxTx,
+///     Json(delta): Json<i64>,
+/// ) -> Result<StatusCode, StatusCode> {
+///     sqlx::query("update account set balance = balance + $1 where id = $2")
+///         .bind(delta)
+///         .bind(&account)
+///         .execute(&mut *tx)
+///         .await
+///         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+///     Ok(StatusCode::CREATED)
+/// }
+/// ```
+///
+/// Do not commit, roll back or keep it: the layer decides from the response status, and a
+/// handle still alive after the handler answered makes the layer roll back and answer `500`.
+///
+/// Extracting it on a request the layer did not claim (no layer, an unguarded method, an
+/// optional key that was absent) is rejected with a `500` problem saying so. Use
+/// `Option<InboxTx>` where that is expected.
+pub struct InboxTx {
+    guard: OwnedMappedMutexGuard<Option<ClaimedMessage>, ClaimedMessage>,
+}
+
+impl InboxTx {
+    /// The identity of the claimed message, e.g. to store with a ledger row.
+    pub fn identity(&self) -> &MessageIdentity {
+        self.guard.identity()
+    }
+
+    fn from_slot(slot: &TxSlot) -> Result<Self, Problem> {
+        let guard: OwnedMutexGuard<_> = slot.0.clone().try_lock_owned().map_err(|_| {
+            Problem::new(
+                ProblemKind::TransactionInUse,
+                "the inbox transaction was already extracted for this request",
+            )
+        })?;
+        let guard = OwnedMutexGuard::try_map(guard, Option::as_mut).map_err(|_| {
+            Problem::new(
+                ProblemKind::TransactionInUse,
+                "the inbox transaction for this request has already ended",
+            )
+        })?;
+        Ok(Self { guard })
+    }
+}
+
+impl std::fmt::Debug for InboxTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("InboxTx")
+            .field("identity", self.identity())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Deref for InboxTx {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.guard
+    }
+}
+
+impl DerefMut for InboxTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.guard
+    }
+}
+
+fn layer_missing() -> Problem {
+    Problem::new(
+        ProblemKind::LayerMissing,
+        "this handler needs the inbox transaction, but the request was not claimed by \
+         InboxLayer: install the layer on this route, guard this method, or require the \
+         Idempotency-Key (or extract Option<InboxTx>)",
+    )
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for InboxTx {
+    type Rejection = Problem;
+
+    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
+        let slot = parts.extensions.get::<TxSlot>().ok_or_else(layer_missing)?;
+        Self::from_slot(slot)
+    }
+}
+
+impl<S: Send + Sync> OptionalFromRequestParts<S> for InboxTx {
+    type Rejection = Problem;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &S,
+    ) -> Result<Option<Self>, Self::Rejection> {
+        match parts.extensions.get::<TxSlot>() {
+            None => Ok(None),
+            Some(slot) => Self::from_slot(slot).map(Some),
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! Message identity: who consumes, which producer's intent, which message.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::key::MessageKey;
+
+/// The longest producer or tenant name accepted, in bytes.
+pub const MAX_SCOPE_LEN: usize = 255;
+
+/// The producer scope of a message: whose intent it carries. Message IDs from different
+/// producers may collide, so the producer is part of the identity; a recorded response is only
+/// ever replayed to the producer that caused it.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Producer {
+    name: String,
+    tenant: Option<String>,
+}
+
+/// A producer or tenant name that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid producer scope: {0}")]
+pub struct ProducerError(pub(crate) String);
+
+impl ProducerError {
+    /// A reason the producer scope is not available, shown to the client as the problem's
+    /// `detail`. Keep it free of secrets.
+    pub fn new(reason: impl Into<String>) -> Self {
+        Self(reason.into())
+    }
+}
+
+impl Producer {
+    /// A producer scope with a name of 1 to [`MAX_SCOPE_LEN`] bytes and no control characters.
+    ///
+    /// ```
+    /// use tower_inbox::Producer;
+    /// let p = Producer::new("billing-service").unwrap().with_tenant("acme").unwrap();
+    /// assert_eq!(p.name(), "billing-service");
+    /// assert_eq!(p.tenant(), Some("acme"));
+    /// assert!(Producer::new("").is_err());
+    /// ```
+    pub fn new(name: impl Into<String>) -> Result<Self, ProducerError> {
+        let name = name.into();
+        check_scope_name("producer", &name)?;
+        Ok(Self { name, tenant: None })
+    }
+
+    /// Adds a tenant, for producers whose message IDs are unique only inside a tenant.
+    pub fn with_tenant(mut self, tenant: impl Into<String>) -> Result<Self, ProducerError> {
+        let tenant = tenant.into();
+        check_scope_name("tenant", &tenant)?;
+        self.tenant = Some(tenant);
+        Ok(self)
+    }
+
+    /// The producer's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The tenant, if the scope has one.
+    pub fn tenant(&self) -> Option<&str> {
+        self.tenant.as_deref()
+    }
+}
+
+impl fmt::Debug for Producer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.tenant {
+            Some(t) => write!(f, "Producer({}/{})", self.name, t),
+            None => write!(f, "Producer({})", self.name),
+        }
+    }
+}
+
+fn check_scope_name(what: &str, name: &str) -> Result<(), ProducerError> {
+    if name.is_empty() {
+        return Err(ProducerError(format!("the {what} name is empty")));
+    }
+    if name.len() > MAX_SCOPE_LEN {
+        return Err(ProducerError(format!(
+            "the {what} name is longer than {MAX_SCOPE_LEN} bytes"
+        )));
+    }
+    if name.chars().any(char::is_control) {
+        return Err(ProducerError(format!(
+            "the {what} name contains a control character"
+        )));
+    }
+    Ok(())
+}
+
+/// The full identity of one message: `(consumer, producer, tenant, message ID)`, the inbox's
+/// primary key.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct MessageIdentity {
+    consumer: Arc<str>,
+    producer: Producer,
+    message_id: MessageKey,
+}
+
+impl MessageIdentity {
+    /// An identity from its parts.
+    ///
+    /// ```
+    /// use tower_inbox::{MessageIdentity, MessageKey, Producer};
+    /// let id = MessageIdentity::new(
+    ///     "credits",
+    ///     Producer::new("mobile-app").unwrap(),
+    ///     MessageKey::new("7b0e7a").unwrap(),
+    /// );
+    /// assert_eq!(id.to_string(), "credits/mobile-app/7b0e7a");
+    /// ```
+    pub fn new(consumer: impl Into<Arc<str>>, producer: Producer, message_id: MessageKey) -> Self {
+        Self {
+            consumer: consumer.into(),
+            producer,
+            message_id,
+        }
+    }
+
+    /// The consumer name: who applies the message.
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// The producer scope: whose intent it is.
+    pub fn producer(&self) -> &Producer {
+        &self.producer
+    }
+
+    /// The producer-assigned message (command) ID.
+    pub fn message_id(&self) -> &MessageKey {
+        &self.message_id
+    }
+
+    /// The tenant as stored: `''` when the producer has none.
+    pub(crate) fn tenant_column(&self) -> &str {
+        self.producer.tenant().unwrap_or("")
+    }
+}
+
+impl fmt::Debug for MessageIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "MessageIdentity({self})")
+    }
+}
+
+impl fmt::Display for MessageIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.producer.tenant() {
+            Some(t) => write!(
+                f,
+                "{}/{}/{}/{}",
+                self.consumer,
+                self.producer.name(),
+                t,
+                self.message_id
+            ),
+            None => write!(
+                f,
+                "{}/{}/{}",
+                self.consumer,
+                self.producer.name(),
+                self.message_id
+            ),
+        }
+    }
+}

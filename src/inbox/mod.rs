@@ -1,0 +1,366 @@
+//! The protocol core: claim, look up, record and commit. Nothing here knows about HTTP, so a
+//! message-broker consumer uses the same calls as the Tower layer.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use tower_inbox::{Claim, Fingerprint, Inbox, MessageIdentity, MessageKey, Producer};
+//!
+//! # async fn consume(pool: sqlx::PgPool, body: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
+//! let inbox = Inbox::new(pool);
+//! let identity = MessageIdentity::new(
+//!     "ledger-projector",
+//!     Producer::new("payments")?,
+//!     MessageKey::new("evt-0042")?,
+//! );
+//! match inbox
+//!     .claim(identity, Fingerprint::of_bytes(body), "v3", Duration::from_secs(1))
+//!     .await?
+//! {
+//!     Claim::Claimed(mut message) => {
+//!         sqlx::query("update account set balance = balance + 10 where id = 'a1'")
+//!             .execute(&mut *message)
+//!             .await?;
+//!         message.commit(None).await?; // claim and business change become durable together
+//!     }
+//!     Claim::Duplicate(_) => { /* already applied: just acknowledge */ }
+//!     Claim::Conflict(_) => { /* same ID, different payload: quarantine */ }
+//!     Claim::InProgress => { /* another worker holds it: redeliver later */ }
+//! }
+//! # Ok(()) }
+//! ```
+
+mod sql;
+
+use std::ops::{Deref, DerefMut};
+use std::time::Duration;
+
+use bytes::Bytes;
+use sqlx::postgres::{PgConnection, PgPool, PgRow};
+use sqlx::{Postgres, Row, Transaction};
+
+use crate::fingerprint::Fingerprint;
+use crate::identity::MessageIdentity;
+
+/// The embedded migrations that create the inbox tables and the claim function.
+///
+/// Run them with [`migrate`], or copy `migrations/` into the application's own migration
+/// directory and run `sqlx migrate run`.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Runs the embedded migrations.
+///
+/// Migrations the application applied through the same `_sqlx_migrations` table are
+/// tolerated (they are not ours to check), so an application may run its own migrator with
+/// `set_ignore_missing(true)` beside this one.
+pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    let mut migrator = sqlx::migrate!("./migrations");
+    migrator.set_ignore_missing(true);
+    migrator.run(pool).await
+}
+
+/// A failure of the inbox's own database work.
+#[derive(Debug, thiserror::Error)]
+pub enum InboxError {
+    /// The database cannot be reached or has no room right now (connection refused, pool
+    /// timed out, server shutting down, too many connections). Retrying later may succeed.
+    #[error("the inbox database is unavailable: {0}")]
+    Unavailable(#[source] sqlx::Error),
+    /// A serialization failure or deadlock: the transaction can be retried from the start.
+    #[error("the inbox transaction hit a transient conflict: {0}")]
+    Transient(#[source] sqlx::Error),
+    /// Any other database error, such as missing migrations.
+    #[error("the inbox query failed: {0}")]
+    Database(#[source] sqlx::Error),
+}
+
+impl InboxError {
+    pub(crate) fn classify(err: sqlx::Error) -> Self {
+        use sqlx::Error as E;
+        match &err {
+            E::Io(_)
+            | E::Tls(_)
+            | E::PoolTimedOut
+            | E::PoolClosed
+            | E::WorkerCrashed
+            | E::Protocol(_) => Self::Unavailable(err),
+            E::Database(db) => match db.code().as_deref() {
+                Some("40001" | "40P01") => Self::Transient(err),
+                // connection exceptions, insufficient resources, operator intervention
+                Some(code)
+                    if code.starts_with("08")
+                        || code.starts_with("53")
+                        || matches!(code, "57P01" | "57P02" | "57P03") =>
+                {
+                    Self::Unavailable(err)
+                }
+                _ => Self::Database(err),
+            },
+            _ => Self::Database(err),
+        }
+    }
+
+    /// Whether a later retry of the whole command may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Unavailable(_) | Self::Transient(_))
+    }
+}
+
+/// A response (or any outcome) recorded with the claim, replayed byte for byte to duplicates.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordedResponse {
+    /// The status code.
+    pub status: u16,
+    /// Header names and values in the order they were sent; names in lowercase.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// The complete body.
+    pub body: Bytes,
+}
+
+/// What the inbox holds for a message that was claimed before.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxEntry {
+    /// The fingerprint of the payload that claimed it, in hex.
+    pub payload_sha256: String,
+    /// The handler version that processed (or is processing) it.
+    pub handler_version: String,
+    /// Whether the outcome is recorded. A committed claim made by the layer always is.
+    pub processed: bool,
+    /// The recorded response, if the consumer recorded one.
+    pub response: Option<RecordedResponse>,
+}
+
+/// The result of a claim attempt.
+#[derive(Debug)]
+pub enum Claim {
+    /// This transaction owns first processing: do the business writes on it, then
+    /// [`ClaimedMessage::commit`].
+    Claimed(ClaimedMessage),
+    /// A duplicate with the same fingerprint; its recorded outcome.
+    Duplicate(InboxEntry),
+    /// The same identity was claimed with a different fingerprint: a producer contract
+    /// violation. The original is untouched.
+    Conflict(InboxEntry),
+    /// The original is still being processed and did not finish within the wait.
+    InProgress,
+}
+
+/// The inbox: claims messages in a transaction of their own pool.
+#[derive(Clone, Debug)]
+pub struct Inbox {
+    pool: PgPool,
+}
+
+impl Inbox {
+    /// An inbox over a pool whose database has the [`MIGRATOR`] migrations applied.
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// The pool claims are made from.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Opens a transaction and claims `identity` in it with `INSERT ... ON CONFLICT DO
+    /// NOTHING`.
+    ///
+    /// If another transaction holds an uncommitted claim of the same identity, this waits up
+    /// to `wait` for it: if it commits, the result is [`Claim::Duplicate`] or
+    /// [`Claim::Conflict`]; if it rolls back, this claim wins; otherwise
+    /// [`Claim::InProgress`]. The wait holds a pooled connection.
+    pub async fn claim(
+        &self,
+        identity: MessageIdentity,
+        fingerprint: Fingerprint,
+        handler_version: &str,
+        wait: Duration,
+    ) -> Result<Claim, InboxError> {
+        let mut tx = self.pool.begin().await.map_err(InboxError::classify)?;
+        let fingerprint_hex = fingerprint.to_hex();
+        let wait_ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
+        let row = sqlx::query(sql::CLAIM)
+            .bind(identity.consumer())
+            .bind(identity.producer().name())
+            .bind(identity.tenant_column())
+            .bind(identity.message_id().as_str())
+            .bind(&fingerprint_hex)
+            .bind(handler_version)
+            .bind(wait_ms)
+            .fetch_one(&mut *tx)
+            .await;
+        let row = match row {
+            Ok(row) => row,
+            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
+                // lock_timeout: the original is still in flight. Nothing was written.
+                let _ = tx.rollback().await;
+                return Ok(Claim::InProgress);
+            }
+            Err(err) => return Err(InboxError::classify(err)),
+        };
+        let claimed: bool = row.try_get("claimed").map_err(InboxError::Database)?;
+        if claimed {
+            return Ok(Claim::Claimed(ClaimedMessage { tx, identity }));
+        }
+        // Our insert did nothing; end the transaction before answering so the connection
+        // goes back to the pool at once.
+        tx.rollback().await.map_err(InboxError::classify)?;
+        let entry = entry_from_row(&row)?;
+        Ok(if entry.payload_sha256 != fingerprint_hex {
+            Claim::Conflict(entry)
+        } else if entry.processed {
+            Claim::Duplicate(entry)
+        } else {
+            Claim::InProgress
+        })
+    }
+
+    /// Reads what the inbox holds for `identity`, outside any transaction.
+    pub async fn lookup(
+        &self,
+        identity: &MessageIdentity,
+    ) -> Result<Option<InboxEntry>, InboxError> {
+        let row = sqlx::query(sql::LOOKUP)
+            .bind(identity.consumer())
+            .bind(identity.producer().name())
+            .bind(identity.tenant_column())
+            .bind(identity.message_id().as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(InboxError::classify)?;
+        row.as_ref().map(entry_from_row).transpose()
+    }
+
+    /// Counts an attempt at `identity` that rolled back, with a stable reason code, in a
+    /// transaction of its own.
+    pub async fn record_failure(
+        &self,
+        identity: &MessageIdentity,
+        fingerprint: Fingerprint,
+        handler_version: &str,
+        reason: &str,
+    ) -> Result<(), InboxError> {
+        sqlx::query(sql::RECORD_FAILURE)
+            .bind(identity.consumer())
+            .bind(identity.producer().name())
+            .bind(identity.tenant_column())
+            .bind(identity.message_id().as_str())
+            .bind(fingerprint.to_hex())
+            .bind(handler_version)
+            .bind(reason)
+            .execute(&self.pool)
+            .await
+            .map_err(InboxError::classify)?;
+        Ok(())
+    }
+}
+
+fn entry_from_row(row: &PgRow) -> Result<InboxEntry, InboxError> {
+    let get = |e| InboxError::Database(e);
+    let status: Option<i16> = row.try_get("response_status").map_err(get)?;
+    let response = match status {
+        None => None,
+        Some(status) => {
+            let names: Vec<String> = row
+                .try_get::<Option<Vec<String>>, _>("response_header_names")
+                .map_err(get)?
+                .unwrap_or_default();
+            let values: Vec<Vec<u8>> = row
+                .try_get::<Option<Vec<Vec<u8>>>, _>("response_header_values")
+                .map_err(get)?
+                .unwrap_or_default();
+            let body: Vec<u8> = row
+                .try_get::<Option<Vec<u8>>, _>("response_body")
+                .map_err(get)?
+                .unwrap_or_default();
+            Some(RecordedResponse {
+                status: u16::try_from(status).unwrap_or(500),
+                headers: names.into_iter().zip(values).collect(),
+                body: Bytes::from(body),
+            })
+        }
+    };
+    Ok(InboxEntry {
+        payload_sha256: row.try_get("payload_sha256").map_err(get)?,
+        handler_version: row.try_get("handler_version").map_err(get)?,
+        processed: row.try_get("processed").map_err(get)?,
+        response,
+    })
+}
+
+/// A message this transaction claimed. Dereferences to the transaction's connection, so the
+/// business writes go through it: `sqlx::query(..).execute(&mut *message)`.
+///
+/// Dropping it without [`commit`](Self::commit) rolls the claim back with everything written
+/// on it, so a retry can process the message again.
+#[derive(Debug)]
+pub struct ClaimedMessage {
+    tx: Transaction<'static, Postgres>,
+    identity: MessageIdentity,
+}
+
+impl ClaimedMessage {
+    /// The identity this transaction claimed.
+    pub fn identity(&self) -> &MessageIdentity {
+        &self.identity
+    }
+
+    /// Records the outcome on the claim and commits: claim, business writes and recorded
+    /// response become durable together or not at all.
+    ///
+    /// An error from the commit itself is ambiguous (the server may have committed before the
+    /// connection failed); a retry of the command resolves it, as a replay or a new run.
+    pub async fn commit(mut self, response: Option<&RecordedResponse>) -> Result<(), InboxError> {
+        let (status, names, values, body) = match response {
+            Some(r) => (
+                Some(i16::try_from(r.status).unwrap_or(i16::MAX)),
+                Some(
+                    r.headers
+                        .iter()
+                        .map(|(n, _)| n.as_str())
+                        .collect::<Vec<_>>(),
+                ),
+                Some(
+                    r.headers
+                        .iter()
+                        .map(|(_, v)| v.as_slice())
+                        .collect::<Vec<_>>(),
+                ),
+                Some(&r.body[..]),
+            ),
+            None => (None, None, None, None),
+        };
+        let identity = &self.identity;
+        sqlx::query(sql::RECORD)
+            .bind(identity.consumer())
+            .bind(identity.producer().name())
+            .bind(identity.tenant_column())
+            .bind(identity.message_id().as_str())
+            .bind(status)
+            .bind(names)
+            .bind(values)
+            .bind(body)
+            .execute(&mut *self.tx)
+            .await
+            .map_err(InboxError::classify)?;
+        self.tx.commit().await.map_err(InboxError::classify)
+    }
+
+    /// Rolls back the claim and everything written in its transaction.
+    pub async fn rollback(self) -> Result<(), InboxError> {
+        self.tx.rollback().await.map_err(InboxError::classify)
+    }
+}
+
+impl Deref for ClaimedMessage {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.tx
+    }
+}
+
+impl DerefMut for ClaimedMessage {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+}

@@ -1,0 +1,67 @@
+//! # tower-inbox
+//!
+//! A Tower layer that makes a retried HTTP command have **at most one committed domain
+//! transition**, while an attempt that did not commit stays retryable.
+//!
+//! For each guarded request (by default `POST` and `PATCH`) the layer reads the producer's
+//! command ID from `Idempotency-Key`, opens a PostgreSQL transaction and claims
+//! `(consumer, producer, message_id)` in it with `INSERT ... ON CONFLICT DO NOTHING`. The
+//! handler takes that transaction with the [`InboxTx`] extractor and does its business writes
+//! on it. The layer then records the response in the claimed row and commits: the claim, the
+//! business change and the recorded response become durable together or not at all. A
+//! duplicate gets the recorded response back byte for byte, marked `Idempotent-Replayed:
+//! true`; the same key with a different payload is refused.
+//!
+//! ## The protocol, per request
+//!
+//! | situation | response | durable effect |
+//! |---|---|---|
+//! | method not guarded | the handler's, untouched | none |
+//! | guarded, no key, key required (default) | 400 [`key-missing`](problem#key-missing) | none |
+//! | key malformed: empty, over 255 characters, not visible ASCII, repeated header, bad RFC 8941 string | 400 [`key-malformed`](problem#key-malformed) | none |
+//! | producer scope not available | 401 (or 400) [`producer-missing`](problem#producer-missing) | none |
+//! | body over the limit | 413 [`body-too-large`](problem#body-too-large) | none |
+//! | first seen; the [`OutcomePolicy`] commits the status (default: 2xx, 3xx, business 4xx) | the handler's | claim + business writes + recorded response, one commit |
+//! | first seen; the handler rejects the request's shape (default: 400, 401, 403, 404, 405, 408, 413, 415, 422, 429) | the handler's | rollback: the key may be reused with a corrected request |
+//! | first seen; 5xx, panic (500 [`handler-panicked`](problem#handler-panicked)) or client gone | the handler's | rollback; the failed attempt is counted in `consumer_inbox_failure` |
+//! | claim or commit fails: database down, pool timeout | 503 [`unavailable`](problem#unavailable) with `Retry-After` | nothing (or, for a failed commit, unknown: a retry resolves it) |
+//! | duplicate, same fingerprint | the recorded status, headers and body, plus `Idempotent-Replayed: true` | none |
+//! | duplicate, different fingerprint | 409 (or 422) [`payload-mismatch`](problem#payload-mismatch) | none; the original untouched |
+//! | duplicate while the original is in flight | waits up to the configured time, then replays, runs (the original rolled back), or 409 [`in-progress`](problem#in-progress) with `Retry-After` | none |
+//!
+//! ## Pieces
+//!
+//! * [`InboxLayer`] / [`InboxService`]: the Tower adapter ([`middleware`]).
+//! * [`InboxTx`]: the extractor for the claimed transaction.
+//! * [`Inbox`], [`Claim`], [`ClaimedMessage`]: the protocol core, usable without HTTP (a
+//!   broker consumer claims and commits the same way).
+//! * [`MessageKey`], [`Fingerprint`], [`MessageIdentity`], [`Producer`]: identity.
+//! * [`migrate`] / [`MIGRATOR`]: the embedded migrations.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+mod extract;
+mod fingerprint;
+mod identity;
+pub mod inbox;
+mod key;
+pub mod middleware;
+mod outcome;
+pub mod problem;
+pub mod producer;
+
+pub use extract::InboxTx;
+pub use fingerprint::{CommandPayload, Fingerprint, FingerprintStrategy};
+pub use identity::{MessageIdentity, Producer, ProducerError, MAX_SCOPE_LEN};
+pub use inbox::{
+    migrate, Claim, ClaimedMessage, Inbox, InboxEntry, InboxError, RecordedResponse, MIGRATOR,
+};
+pub use key::{KeyError, MessageKey, MAX_KEY_LEN};
+pub use middleware::{ConfigError, InboxLayer, InboxLayerBuilder, InboxService};
+pub use outcome::{Outcome, OutcomePolicy, DEFAULT_REJECTIONS};
+pub use producer::ProducerScope;
+
+/// Compiles the README's code examples as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

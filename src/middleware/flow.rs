@@ -1,0 +1,495 @@
+//! One guarded request, start to end: the protocol table of the crate docs, in order.
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::response::IntoResponse;
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::header::{HeaderName, HeaderValue, CONTENT_TYPE};
+use http::request::Parts;
+use http::{HeaderMap, Request, Response};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tower::Service;
+use tracing::Instrument;
+
+use super::layer::{InboxConfig, IDEMPOTENT_REPLAYED};
+use crate::extract::TxSlot;
+use crate::fingerprint::{CommandPayload, Fingerprint};
+use crate::identity::MessageIdentity;
+use crate::inbox::{Claim, Inbox, InboxEntry, InboxError, RecordedResponse};
+use crate::key::{KeyError, MessageKey};
+use crate::outcome::Outcome;
+use crate::problem::{Problem, ProblemKind};
+
+pub(crate) async fn run<S, ReqBody, ResBody>(
+    config: Arc<InboxConfig>,
+    inner: S,
+    request: Request<ReqBody>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S::Future: Send + 'static,
+    ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ReqBody::Error: Into<axum::BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<axum::BoxError>,
+{
+    if !config.guarded_methods.contains(request.method()) {
+        return pass_through(inner, request).await;
+    }
+    let (parts, body) = request.into_parts();
+    let key = match read_key(&parts.headers, &config) {
+        Ok(Some(key)) => key,
+        Ok(None) if !config.key_required => {
+            return pass_through(inner, Request::from_parts(parts, body)).await;
+        }
+        Ok(None) => {
+            let detail = format!("this request needs an {} header", config.key_header);
+            return Ok(Problem::new(ProblemKind::KeyMissing, detail).into_response());
+        }
+        Err(err) => {
+            let detail = format!("the {} header is malformed: {err}", config.key_header);
+            return Ok(Problem::new(ProblemKind::KeyMalformed, detail).into_response());
+        }
+    };
+    let producer = match config.producer.producer(&parts) {
+        Ok(producer) => producer,
+        Err(err) => {
+            return Ok(Problem::new(ProblemKind::ProducerMissing, err.0)
+                .with_status(config.producer_missing_status)
+                .into_response());
+        }
+    };
+    let body = match read_limited(body, config.body_limit).await {
+        Ok(body) => body,
+        Err(ReadError::TooLarge) => {
+            let detail = format!("the body is over the {} byte limit", config.body_limit);
+            return Ok(Problem::new(ProblemKind::BodyTooLarge, detail).into_response());
+        }
+        Err(ReadError::Failed(err)) => {
+            let detail = format!("the body could not be read: {err}");
+            return Ok(Problem::new(ProblemKind::BodyUnreadable, detail).into_response());
+        }
+    };
+    let fingerprint = fingerprint(&config, &parts, &body);
+    let identity = MessageIdentity::new(config.consumer.clone(), producer, key);
+    let span = tracing::info_span!(
+        "inbox.command",
+        consumer = %identity.consumer(),
+        producer = %identity.producer().name(),
+        message_id = %identity.message_id(),
+        outcome = tracing::field::Empty,
+    );
+    let command = Command {
+        config,
+        identity,
+        fingerprint,
+        parts,
+        body,
+    };
+    command.claim_and_run(inner).instrument(span).await
+}
+
+async fn pass_through<S, B, ResBody>(
+    mut inner: S,
+    request: Request<B>,
+) -> Result<Response<Body>, S::Error>
+where
+    S: Service<Request<Body>, Response = Response<ResBody>>,
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<axum::BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<axum::BoxError>,
+{
+    let response = inner.call(request.map(Body::new)).await?;
+    Ok(response.map(Body::new))
+}
+
+fn read_key(headers: &HeaderMap, config: &InboxConfig) -> Result<Option<MessageKey>, KeyError> {
+    let mut values = headers.get_all(&config.key_header).iter();
+    let Some(value) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(KeyError::Repeated);
+    }
+    MessageKey::parse(value.as_bytes(), config.max_key_len).map(Some)
+}
+
+fn fingerprint(config: &InboxConfig, parts: &Parts, body: &[u8]) -> Fingerprint {
+    let payload = CommandPayload {
+        method: parts.method.as_str(),
+        path_and_query: parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| parts.uri.path(), |pq| pq.as_str()),
+        content_type: parts
+            .headers
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok()),
+        body,
+    };
+    config.fingerprint.fingerprint(&payload)
+}
+
+enum ReadError {
+    TooLarge,
+    Failed(axum::BoxError),
+}
+
+/// Buffers a body up to `limit` bytes; a declared length over it is refused unread.
+async fn read_limited<B>(body: B, limit: usize) -> Result<Bytes, ReadError>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<axum::BoxError>,
+{
+    if body.size_hint().lower() > limit as u64 {
+        return Err(ReadError::TooLarge);
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(err) if err.downcast_ref::<LengthLimitError>().is_some() => Err(ReadError::TooLarge),
+        Err(err) => Err(ReadError::Failed(err)),
+    }
+}
+
+/// A guarded request whose key, producer and body passed the checks.
+struct Command {
+    config: Arc<InboxConfig>,
+    identity: MessageIdentity,
+    fingerprint: Fingerprint,
+    parts: Parts,
+    body: Bytes,
+}
+
+impl Command {
+    async fn claim_and_run<S, ResBody>(self, inner: S) -> Result<Response<Body>, S::Error>
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>>,
+        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<axum::BoxError>,
+    {
+        let config = &self.config;
+        let claim = config
+            .inbox
+            .claim(
+                self.identity.clone(),
+                self.fingerprint,
+                &config.handler_version,
+                config.in_flight_wait,
+            )
+            .await;
+        let answer = match claim {
+            Ok(Claim::Claimed(message)) => {
+                return self.run_handler(inner, TxSlot::new(message)).await
+            }
+            Ok(Claim::Duplicate(entry)) => ("replayed", replay(&entry)),
+            Ok(Claim::Conflict(entry)) => {
+                tracing::warn!(
+                    recorded_sha256 = %entry.payload_sha256,
+                    sha256 = %self.fingerprint,
+                    "idempotency key reused with a different payload"
+                );
+                let detail = format!(
+                    "this {} was already used for a different request; use a new key for a new command",
+                    config.key_header
+                );
+                let problem = Problem::new(ProblemKind::PayloadMismatch, detail)
+                    .with_status(config.mismatch_status);
+                ("conflict", problem.into_response())
+            }
+            Ok(Claim::InProgress) => {
+                let problem = Problem::new(
+                    ProblemKind::InProgress,
+                    "a request with this key is still being processed; retry later",
+                )
+                .retry_after(config.retry_after_secs);
+                ("in-progress", problem.into_response())
+            }
+            Err(err) => ("database-error", database_problem(config, &err)),
+        };
+        tracing::Span::current().record("outcome", answer.0);
+        Ok(answer.1)
+    }
+
+    async fn run_handler<S, ResBody>(
+        self,
+        mut inner: S,
+        slot: TxSlot,
+    ) -> Result<Response<Body>, S::Error>
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>>,
+        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<axum::BoxError>,
+    {
+        let Self {
+            config,
+            identity,
+            fingerprint,
+            mut parts,
+            body,
+        } = self;
+        let span = tracing::Span::current();
+        parts.extensions.insert(slot.clone());
+        let request = Request::from_parts(parts, Body::from(body));
+        let attempt = Attempt {
+            inbox: config.inbox.clone(),
+            identity,
+            fingerprint,
+            handler_version: config.handler_version.clone(),
+            armed: true,
+        };
+        // `call` runs inside the caught future, so a panic while building the handler's
+        // future is caught as well as one while polling it.
+        let result = AssertUnwindSafe(async { inner.call(request).await })
+            .catch_unwind()
+            .await;
+        let response = match result {
+            Ok(Ok(response)) => response,
+            Ok(Err(err)) => {
+                roll_back(&slot).await;
+                attempt.failed("service-error").await;
+                span.record("outcome", "service-error");
+                return Err(err);
+            }
+            Err(panic) => {
+                let message = panic_message(panic.as_ref());
+                tracing::error!(panic = %message, "handler panicked; rolled back");
+                roll_back(&slot).await;
+                attempt.failed("handler-panicked").await;
+                span.record("outcome", "handler-panicked");
+                return Ok(Problem::new(
+                    ProblemKind::HandlerPanicked,
+                    "the handler failed; nothing was committed and the request may be retried",
+                )
+                .into_response());
+            }
+        };
+        match config.outcome.decide(response.status()) {
+            Outcome::Reject => {
+                roll_back(&slot).await;
+                attempt.finish();
+                span.record("outcome", "rejected");
+                return Ok(response.map(Body::new));
+            }
+            Outcome::Fail => {
+                roll_back(&slot).await;
+                attempt.failed("handler-error-status").await;
+                span.record("outcome", "handler-failed");
+                return Ok(response.map(Body::new));
+            }
+            Outcome::Commit => {}
+        }
+        let (response_parts, response_body) = response.into_parts();
+        let body = match read_limited(response_body, config.response_limit).await {
+            Ok(body) => body,
+            Err(err) => {
+                roll_back(&slot).await;
+                let (kind, reason, detail) = match err {
+                    ReadError::TooLarge => (
+                        ProblemKind::ResponseTooLarge,
+                        "response-too-large",
+                        format!(
+                            "the response is over the {} byte recording limit; nothing was committed",
+                            config.response_limit
+                        ),
+                    ),
+                    ReadError::Failed(err) => (
+                        ProblemKind::ResponseUnreadable,
+                        "response-unreadable",
+                        format!("the response body failed ({err}); nothing was committed"),
+                    ),
+                };
+                attempt.failed(reason).await;
+                span.record("outcome", reason);
+                return Ok(Problem::new(kind, detail).into_response());
+            }
+        };
+        let Some(message) = slot.take() else {
+            // A handle to the transaction is still alive somewhere: committing now could
+            // race with writes the handler is still making. It rolls back when dropped.
+            tracing::error!("handler kept the inbox transaction past its response; not committed");
+            attempt.failed("transaction-leaked").await;
+            span.record("outcome", "transaction-leaked");
+            return Ok(Problem::new(
+                ProblemKind::TransactionLeaked,
+                "the handler kept the inbox transaction after answering; nothing was committed",
+            )
+            .into_response());
+        };
+        let recorded = RecordedResponse {
+            status: response_parts.status.as_u16(),
+            headers: recordable_headers(&response_parts.headers),
+            body: body.clone(),
+        };
+        // From here the outcome is the database's, not the handler's.
+        attempt.finish();
+        match message.commit(Some(&recorded)).await {
+            Ok(()) => {
+                span.record("outcome", "committed");
+                Ok(Response::from_parts(response_parts, Body::from(body)))
+            }
+            Err(err) => {
+                span.record("outcome", "commit-failed");
+                Ok(database_problem(&config, &err))
+            }
+        }
+    }
+}
+
+/// Counts a failed attempt unless it is finished normally; dropped unfinished (the client
+/// went away mid-handler), it counts one from a spawned task.
+struct Attempt {
+    inbox: Inbox,
+    identity: MessageIdentity,
+    fingerprint: Fingerprint,
+    handler_version: Arc<str>,
+    armed: bool,
+}
+
+impl Attempt {
+    fn finish(mut self) {
+        self.armed = false;
+    }
+
+    async fn failed(mut self, reason: &'static str) {
+        self.armed = false;
+        record_failure(
+            &self.inbox,
+            &self.identity,
+            self.fingerprint,
+            &self.handler_version,
+            reason,
+        )
+        .await;
+    }
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let inbox = self.inbox.clone();
+        let identity = self.identity.clone();
+        let fingerprint = self.fingerprint;
+        let version = self.handler_version.clone();
+        runtime.spawn(async move {
+            record_failure(&inbox, &identity, fingerprint, &version, "client-gone").await;
+        });
+    }
+}
+
+async fn record_failure(
+    inbox: &Inbox,
+    identity: &MessageIdentity,
+    fingerprint: Fingerprint,
+    handler_version: &str,
+    reason: &str,
+) {
+    tracing::warn!(%identity, reason, "attempt rolled back");
+    if let Err(err) = inbox
+        .record_failure(identity, fingerprint, handler_version, reason)
+        .await
+    {
+        tracing::error!(%identity, error = %err, "could not count the failed attempt");
+    }
+}
+
+async fn roll_back(slot: &TxSlot) {
+    // None means a leaked handle still holds the transaction; it rolls back when dropped.
+    if let Some(message) = slot.take() {
+        if let Err(err) = message.rollback().await {
+            // The connection is discarded by the pool; the server rolls back on its own.
+            tracing::warn!(error = %err, "rollback failed");
+        }
+    }
+}
+
+fn database_problem(config: &InboxConfig, err: &InboxError) -> Response<Body> {
+    tracing::error!(error = %err, "inbox database error");
+    let problem = if err.is_retryable() {
+        Problem::new(
+            ProblemKind::Unavailable,
+            "the service cannot reach its database; nothing was committed, retry with the same key",
+        )
+        .retry_after(config.retry_after_secs)
+    } else {
+        Problem::new(
+            ProblemKind::Internal,
+            "the inbox could not process the request; nothing was committed",
+        )
+    };
+    problem.into_response()
+}
+
+/// Hop-by-hop headers describe one connection, not the response; they are not replayed.
+fn recordable_headers(headers: &HeaderMap) -> Vec<(String, Vec<u8>)> {
+    const HOP_BY_HOP: [&str; 7] = [
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    ];
+    headers
+        .iter()
+        .filter(|(name, _)| !HOP_BY_HOP.contains(&name.as_str()))
+        .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+        .collect()
+}
+
+fn replay(entry: &InboxEntry) -> Response<Body> {
+    let Some(recorded) = &entry.response else {
+        return Problem::new(
+            ProblemKind::Internal,
+            "this command was processed by a consumer that recorded no response to replay",
+        )
+        .into_response();
+    };
+    let mut response = Response::new(Body::from(recorded.body.clone()));
+    let Ok(status) = http::StatusCode::from_u16(recorded.status) else {
+        return corrupt_record();
+    };
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    for (name, value) in &recorded.headers {
+        match (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_bytes(value),
+        ) {
+            (Ok(name), Ok(value)) => {
+                headers.append(name, value);
+            }
+            _ => return corrupt_record(),
+        }
+    }
+    headers.insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
+
+fn corrupt_record() -> Response<Body> {
+    tracing::error!("recorded response in the inbox is not a valid HTTP response");
+    Problem::new(
+        ProblemKind::Internal,
+        "the recorded response for this key cannot be replayed",
+    )
+    .into_response()
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
+    }
+}

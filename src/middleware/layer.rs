@@ -1,0 +1,307 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::HeaderName;
+use http::{Method, StatusCode};
+use sqlx::PgPool;
+use tower::Layer;
+
+use super::service::InboxService;
+use crate::fingerprint::FingerprintStrategy;
+use crate::inbox::Inbox;
+use crate::key::MAX_KEY_LEN;
+use crate::outcome::OutcomePolicy;
+use crate::producer::ProducerScope;
+
+/// The header the command ID is read from by default.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+
+/// The header marking a replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// Default request body limit: 1 MiB.
+pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
+
+/// Default limit on a response the layer records: 1 MiB.
+pub const DEFAULT_RESPONSE_LIMIT: usize = 1024 * 1024;
+
+/// Default time a duplicate waits for an in-flight original: 2 s.
+pub const DEFAULT_IN_FLIGHT_WAIT: Duration = Duration::from_secs(2);
+
+/// The settings one layer applies; shared by every service it builds.
+pub(crate) struct InboxConfig {
+    pub(crate) inbox: Inbox,
+    pub(crate) consumer: Arc<str>,
+    pub(crate) producer: Arc<dyn ProducerScope>,
+    pub(crate) producer_missing_status: StatusCode,
+    pub(crate) guarded_methods: Vec<Method>,
+    pub(crate) key_header: HeaderName,
+    pub(crate) key_required: bool,
+    pub(crate) max_key_len: usize,
+    pub(crate) body_limit: usize,
+    pub(crate) response_limit: usize,
+    pub(crate) in_flight_wait: Duration,
+    pub(crate) retry_after_secs: u32,
+    pub(crate) mismatch_status: StatusCode,
+    pub(crate) outcome: OutcomePolicy,
+    pub(crate) handler_version: Arc<str>,
+    pub(crate) fingerprint: FingerprintStrategy,
+}
+
+/// A Tower layer that makes guarded requests exactly-once commands.
+///
+/// Build it with [`InboxLayer::builder`]. See the [crate docs](crate) for the protocol.
+#[derive(Clone)]
+pub struct InboxLayer {
+    config: Arc<InboxConfig>,
+}
+
+impl InboxLayer {
+    /// Starts a layer for the consumer `consumer` (the name of what applies the commands, part
+    /// of every message identity) over `pool`.
+    pub fn builder(pool: PgPool, consumer: impl Into<String>) -> InboxLayerBuilder {
+        InboxLayerBuilder {
+            pool,
+            consumer: consumer.into(),
+            producer: None,
+            producer_missing_status: StatusCode::UNAUTHORIZED,
+            guarded_methods: vec![Method::POST, Method::PATCH],
+            key_header: IDEMPOTENCY_KEY,
+            key_required: true,
+            max_key_len: MAX_KEY_LEN,
+            body_limit: DEFAULT_BODY_LIMIT,
+            response_limit: DEFAULT_RESPONSE_LIMIT,
+            in_flight_wait: DEFAULT_IN_FLIGHT_WAIT,
+            retry_after_secs: 1,
+            mismatch_status: StatusCode::CONFLICT,
+            outcome: OutcomePolicy::default(),
+            handler_version: "1".to_owned(),
+            fingerprint: FingerprintStrategy::default(),
+        }
+    }
+}
+
+impl std::fmt::Debug for InboxLayer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let c = &self.config;
+        f.debug_struct("InboxLayer")
+            .field("consumer", &c.consumer)
+            .field("guarded_methods", &c.guarded_methods)
+            .field("key_required", &c.key_required)
+            .field("handler_version", &c.handler_version)
+            .field("fingerprint", &c.fingerprint)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> Layer<S> for InboxLayer {
+    type Service = InboxService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        InboxService::new(inner, self.config.clone())
+    }
+}
+
+/// A setting the layer cannot work with.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// No [`ProducerScope`] was set. There is deliberately no default: any default would let
+    /// one client read another's recorded responses, or refuse every request.
+    #[error("no producer scope: call .producer(...) with FromExtension, TrustedHeader or ConstantProducer")]
+    NoProducerScope,
+    /// The consumer name is empty or too long.
+    #[error("the consumer name must be 1 to 255 bytes without control characters")]
+    BadConsumerName,
+    /// The handler version is empty or too long.
+    #[error("the handler version must be 1 to 255 bytes without control characters")]
+    BadHandlerVersion,
+    /// A limit is zero, or the key limit is over 255.
+    #[error("bad limit: {0}")]
+    BadLimit(&'static str),
+    /// The mismatch or producer-missing status is not one the protocol allows.
+    #[error("bad status: {0}")]
+    BadStatus(&'static str),
+}
+
+/// Configures an [`InboxLayer`]. Every setting has a safe default except the producer scope.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use tower_inbox::{producer::TrustedHeader, InboxLayer};
+///
+/// # fn build(pool: sqlx::PgPool) -> Result<InboxLayer, tower_inbox::ConfigError> {
+/// let layer = InboxLayer::builder(pool, "credits")
+///     .producer(TrustedHeader::new("x-producer"))
+///     .body_limit(64 * 1024)
+///     .in_flight_wait(Duration::from_secs(5))
+///     .handler_version("2026-12")
+///     .build()?;
+/// # Ok(layer) }
+/// ```
+#[must_use]
+pub struct InboxLayerBuilder {
+    pool: PgPool,
+    consumer: String,
+    producer: Option<Arc<dyn ProducerScope>>,
+    producer_missing_status: StatusCode,
+    guarded_methods: Vec<Method>,
+    key_header: HeaderName,
+    key_required: bool,
+    max_key_len: usize,
+    body_limit: usize,
+    response_limit: usize,
+    in_flight_wait: Duration,
+    retry_after_secs: u32,
+    mismatch_status: StatusCode,
+    outcome: OutcomePolicy,
+    handler_version: String,
+    fingerprint: FingerprintStrategy,
+}
+
+impl InboxLayerBuilder {
+    /// Where the producer scope comes from (required). See [`crate::producer`].
+    pub fn producer(mut self, scope: impl ProducerScope) -> Self {
+        self.producer = Some(Arc::new(scope));
+        self
+    }
+
+    /// The status when the producer scope is not available: `401` (default) or `400`.
+    pub fn producer_missing_status(mut self, status: StatusCode) -> Self {
+        self.producer_missing_status = status;
+        self
+    }
+
+    /// The methods the layer guards (default `POST` and `PATCH`); others pass through.
+    pub fn guarded_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.guarded_methods = methods.into_iter().collect();
+        self
+    }
+
+    /// The header that carries the command ID (default `Idempotency-Key`).
+    pub fn key_header(mut self, name: HeaderName) -> Self {
+        self.key_header = name;
+        self
+    }
+
+    /// Whether a guarded request without a key is refused with `400` (default `true`). When
+    /// `false`, such requests pass through unprotected.
+    pub fn key_required(mut self, required: bool) -> Self {
+        self.key_required = required;
+        self
+    }
+
+    /// The longest key accepted, 1 to 255 characters (default 255).
+    pub fn max_key_len(mut self, len: usize) -> Self {
+        self.max_key_len = len;
+        self
+    }
+
+    /// The largest request body the layer buffers for fingerprinting (default 1 MiB);
+    /// larger bodies get `413`.
+    pub fn body_limit(mut self, bytes: usize) -> Self {
+        self.body_limit = bytes;
+        self
+    }
+
+    /// The largest response the layer records (default 1 MiB). A larger committed response
+    /// cannot be replayed, so the layer rolls back and answers `500` instead.
+    pub fn recorded_response_limit(mut self, bytes: usize) -> Self {
+        self.response_limit = bytes;
+        self
+    }
+
+    /// How long a duplicate waits for an in-flight original before `409 in-progress`
+    /// (default 2 s). The waiting request holds a pooled connection meanwhile.
+    pub fn in_flight_wait(mut self, wait: Duration) -> Self {
+        self.in_flight_wait = wait;
+        self
+    }
+
+    /// The `Retry-After` seconds on `409 in-progress` and `503` (default 1).
+    pub fn retry_after(mut self, seconds: u32) -> Self {
+        self.retry_after_secs = seconds;
+        self
+    }
+
+    /// The status for a key reused with a different payload: `409` (default) or `422` (the
+    /// IETF draft's choice).
+    pub fn mismatch_status(mut self, status: StatusCode) -> Self {
+        self.mismatch_status = status;
+        self
+    }
+
+    /// Which handler statuses commit (see [`OutcomePolicy`]).
+    pub fn outcome_policy(mut self, policy: OutcomePolicy) -> Self {
+        self.outcome = policy;
+        self
+    }
+
+    /// The handler version stored with each claim (default `"1"`).
+    pub fn handler_version(mut self, version: impl Into<String>) -> Self {
+        self.handler_version = version.into();
+        self
+    }
+
+    /// How payloads are fingerprinted (default canonical JSON).
+    pub fn fingerprint(mut self, strategy: FingerprintStrategy) -> Self {
+        self.fingerprint = strategy;
+        self
+    }
+
+    /// Checks the settings and builds the layer.
+    pub fn build(self) -> Result<InboxLayer, ConfigError> {
+        let producer = self.producer.ok_or(ConfigError::NoProducerScope)?;
+        if !is_name(&self.consumer) {
+            return Err(ConfigError::BadConsumerName);
+        }
+        if !is_name(&self.handler_version) {
+            return Err(ConfigError::BadHandlerVersion);
+        }
+        if self.max_key_len == 0 || self.max_key_len > MAX_KEY_LEN {
+            return Err(ConfigError::BadLimit("max_key_len must be 1 to 255"));
+        }
+        if self.body_limit == 0 {
+            return Err(ConfigError::BadLimit("body_limit must be positive"));
+        }
+        if self.response_limit == 0 {
+            return Err(ConfigError::BadLimit(
+                "recorded_response_limit must be positive",
+            ));
+        }
+        if ![StatusCode::CONFLICT, StatusCode::UNPROCESSABLE_ENTITY].contains(&self.mismatch_status)
+        {
+            return Err(ConfigError::BadStatus("mismatch_status must be 409 or 422"));
+        }
+        if ![StatusCode::UNAUTHORIZED, StatusCode::BAD_REQUEST]
+            .contains(&self.producer_missing_status)
+        {
+            return Err(ConfigError::BadStatus(
+                "producer_missing_status must be 401 or 400",
+            ));
+        }
+        Ok(InboxLayer {
+            config: Arc::new(InboxConfig {
+                inbox: Inbox::new(self.pool),
+                consumer: self.consumer.into(),
+                producer,
+                producer_missing_status: self.producer_missing_status,
+                guarded_methods: self.guarded_methods,
+                key_header: self.key_header,
+                key_required: self.key_required,
+                max_key_len: self.max_key_len,
+                body_limit: self.body_limit,
+                response_limit: self.response_limit,
+                in_flight_wait: self.in_flight_wait,
+                retry_after_secs: self.retry_after_secs,
+                mismatch_status: self.mismatch_status,
+                outcome: self.outcome,
+                handler_version: self.handler_version.into(),
+                fingerprint: self.fingerprint,
+            }),
+        })
+    }
+}
+
+fn is_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 255 && !s.chars().any(char::is_control)
+}

@@ -1,0 +1,352 @@
+//! Per-test databases and named databases for examples and benches.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::{Connection, PgConnection};
+
+use crate::error::{Context, Error};
+use crate::server::{self, server_async, Server, ServerKind};
+
+/// Prefix of every database [`TestDatabase::create`] makes; the creating
+/// process's pid follows it, so leftovers of dead processes can be found.
+const TEST_DB_PREFIX: &str = "tower_inbox_t_";
+
+/// Upper bound for dropping a database from [`Drop`], which blocks.
+const DROP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long [`TestDatabase::pool`] waits for a free connection.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// PostgreSQL's limit on identifier length, in bytes.
+const MAX_IDENTIFIER_LEN: usize = 63;
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+static STALE_CLEANUP_STARTED: AtomicBool = AtomicBool::new(false);
+
+/// A database of its own for one test, dropped when this value is dropped.
+///
+/// ```no_run
+/// # async fn example() -> Result<(), tower_inbox_testdb::Error> {
+/// use tower_inbox_testdb::TestDatabase;
+///
+/// let db = TestDatabase::create().await?;
+/// let pool = db.pool(5).await;
+/// sqlx::query("CREATE TABLE t (id int)").execute(&pool).await.expect("create table");
+/// # Ok(())
+/// # }
+/// ```
+///
+/// Dropping blocks the current thread until `DROP DATABASE ... WITH (FORCE)`
+/// has run (PostgreSQL 13 or later), which also ends connections that pools
+/// of the test still hold. Failures to drop are printed to stderr, never
+/// raised.
+#[derive(Debug)]
+pub struct TestDatabase {
+    name: String,
+    url: String,
+    options: PgConnectOptions,
+    maintenance: PgConnectOptions,
+}
+
+impl TestDatabase {
+    /// Creates a new, empty database on the [`server()`](crate::server()).
+    ///
+    /// Safe to call from many tests and processes at once: each database
+    /// gets a unique name (`tower_inbox_t_<pid>_<counter>_<suffix>`) and is
+    /// created from `template1`, which no test connects to.
+    ///
+    /// The first call in a process also drops, best effort, databases left
+    /// behind by test processes that no longer exist (killed runs), when the
+    /// server is on this machine.
+    pub async fn create() -> Result<Self, Error> {
+        let server = server_async().await?;
+        let mut conn = connect_maintenance(server).await?;
+
+        if server.is_on_this_machine() && !STALE_CLEANUP_STARTED.swap(true, Ordering::SeqCst) {
+            conn = drop_stale_databases(conn).await;
+        }
+
+        let name = unique_name();
+        sqlx::raw_sql(&format!("CREATE DATABASE {}", quote_ident(&name)))
+            .execute(&mut conn)
+            .await
+            .context(|| format!("cannot create the test database {name}"))?;
+        // The database exists either way; a failed goodbye is irrelevant.
+        let _ = conn.close().await;
+
+        Ok(Self {
+            url: server.database_url(&name),
+            options: server.database_options(&name),
+            maintenance: server.maintenance_options(),
+            name,
+        })
+    }
+
+    /// The database's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// A URL for the database, with the server's credentials.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Connect options for the database.
+    pub fn connect_options(&self) -> PgConnectOptions {
+        self.options.clone()
+    }
+
+    /// A pool of at most `max_connections` connections to the database,
+    /// waiting up to 30 s for a free connection.
+    ///
+    /// The pool connects lazily, so connection errors surface on first use.
+    /// Call it inside the runtime the pool will be used on.
+    pub async fn pool(&self, max_connections: u32) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .connect_lazy_with(self.connect_options())
+    }
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        // Drop cannot await, and the caller's runtime (if any) may be a
+        // current-thread one that is busy running us: a thread with its own
+        // runtime does the work.
+        let maintenance = self.maintenance.clone();
+        let name = std::mem::take(&mut self.name);
+        let spawned = std::thread::Builder::new()
+            .name("tower-inbox-testdb-drop".to_owned())
+            .spawn(move || -> Result<(), Error> {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .context(|| "cannot build a runtime")?;
+                runtime.block_on(async {
+                    tokio::time::timeout(DROP_TIMEOUT, drop_database(&maintenance, &name))
+                        .await
+                        .map_err(|_| {
+                            Error::msg(format!(
+                                "timed out after {}s dropping {name}",
+                                DROP_TIMEOUT.as_secs()
+                            ))
+                        })?
+                })
+            });
+        let outcome = match spawned {
+            Ok(handle) => handle
+                .join()
+                .unwrap_or_else(|_| Err(Error::msg("the thread dropping it panicked"))),
+            Err(err) => Err(Error::with_source("cannot spawn a thread", err)),
+        };
+        if let Err(err) = outcome {
+            eprintln!(
+                "tower-inbox-testdb: could not drop test database {}: {err:?}",
+                self.url
+            );
+        }
+    }
+}
+
+/// The URL of a database named `name` for an example or a bench, creating it
+/// if it does not exist yet.
+///
+/// The server is chosen as by [`server()`](crate::server()). When that is
+/// `DATABASE_URL` and the URL names a database, the URL is returned
+/// unchanged: the user's choice wins. Otherwise the database `name` is
+/// created if needed (concurrent callers are fine) and its URL returned.
+///
+/// `name` must be 1 to 63 ASCII letters, digits, `_` or `-`. The database
+/// is kept, so repeated runs reuse it; on a throwaway server it disappears
+/// with the server, which stays up while this process runs and for about ten
+/// seconds after.
+pub async fn app_database_url(name: &str) -> Result<String, Error> {
+    validate_name(name)?;
+    let server = server_async().await?;
+    if server.kind() == ServerKind::Env && server::url_names_database(server.maintenance_url()) {
+        return Ok(server.maintenance_url().to_owned());
+    }
+
+    let mut conn = connect_maintenance(server).await?;
+    let exists: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_database WHERE datname = $1)")
+            .bind(name)
+            .fetch_one(&mut conn)
+            .await
+            .context(|| format!("cannot look up database {name}"))?;
+    if !exists {
+        match sqlx::raw_sql(&format!("CREATE DATABASE {}", quote_ident(name)))
+            .execute(&mut conn)
+            .await
+        {
+            Ok(_) => {}
+            // Someone created it between our check and our CREATE:
+            // duplicate_database, or unique_violation on pg_database's index
+            // when both CREATEs ran at once.
+            Err(sqlx::Error::Database(err))
+                if matches!(err.code().as_deref(), Some("42P04" | "23505")) => {}
+            Err(err) => {
+                return Err(Error::with_source(
+                    format!("cannot create database {name}"),
+                    err,
+                ))
+            }
+        }
+    }
+    let _ = conn.close().await;
+    Ok(server.database_url(name))
+}
+
+// Takes `&'static`: a shorter borrow held across an await makes the futures
+// of `create` and `app_database_url` fail the `Send` check of `tokio::spawn`.
+async fn connect_maintenance(server: &'static Server) -> Result<PgConnection, Error> {
+    PgConnection::connect_with(&server.maintenance_options())
+        .await
+        .context(|| {
+            format!(
+                "cannot connect to the maintenance database {} ({} server)",
+                server::redact(server.maintenance_url()),
+                server.kind()
+            )
+        })
+}
+
+async fn drop_database(maintenance: &PgConnectOptions, name: &str) -> Result<(), Error> {
+    let mut conn = PgConnection::connect_with(maintenance)
+        .await
+        .context(|| "cannot connect to the maintenance database")?;
+    sqlx::raw_sql(&format!(
+        "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+        quote_ident(name)
+    ))
+    .execute(&mut conn)
+    .await
+    .context(|| "DROP DATABASE failed")?;
+    let _ = conn.close().await;
+    Ok(())
+}
+
+/// Drops test databases whose creating process is gone. Best effort: a
+/// failure only means leftovers stay until the next attempt.
+///
+/// Takes and returns the connection by value: executing on a reborrowed
+/// `&mut PgConnection` parameter makes the caller's future fail the
+/// higher-ranked `Send` check of `tokio::spawn`.
+async fn drop_stale_databases(mut conn: PgConnection) -> PgConnection {
+    let names: Vec<String> = match sqlx::query_scalar(
+        r"SELECT datname::text FROM pg_database WHERE datname LIKE 'tower\_inbox\_t\_%'",
+    )
+    .fetch_all(&mut conn)
+    .await
+    {
+        Ok(names) => names,
+        Err(err) => {
+            eprintln!("tower-inbox-testdb: cannot list stale test databases: {err}");
+            return conn;
+        }
+    };
+    let me = std::process::id();
+    for name in names {
+        let Some(pid) = creator_pid(&name) else {
+            continue;
+        };
+        if pid == me || Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let sql = format!(
+            "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+            quote_ident(&name)
+        );
+        if let Err(err) = sqlx::raw_sql(&sql).execute(&mut conn).await {
+            eprintln!("tower-inbox-testdb: cannot drop stale test database {name}: {err}");
+        }
+    }
+    conn
+}
+
+/// The pid in a name made by [`unique_name`].
+fn creator_pid(name: &str) -> Option<u32> {
+    name.strip_prefix(TEST_DB_PREFIX)?
+        .split('_')
+        .next()?
+        .parse()
+        .ok()
+}
+
+fn unique_name() -> String {
+    let counter = COUNTER.fetch_add(1, Ordering::Relaxed);
+    // The pid and counter make names unique within a run; the time suffix
+    // keeps a recycled pid from colliding with a leftover of an earlier run.
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |elapsed| elapsed.subsec_nanos());
+    format!(
+        "{TEST_DB_PREFIX}{}_{counter}_{nanos:08x}",
+        std::process::id()
+    )
+}
+
+fn validate_name(name: &str) -> Result<(), Error> {
+    let valid = !name.is_empty()
+        && name.len() <= MAX_IDENTIFIER_LEN
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
+    if valid {
+        Ok(())
+    } else {
+        Err(Error::msg(format!(
+            "invalid database name {name:?}: use 1 to {MAX_IDENTIFIER_LEN} ASCII letters, \
+             digits, `_` or `-`"
+        )))
+    }
+}
+
+/// `name` as a quoted SQL identifier.
+fn quote_ident(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_valid_and_carry_the_pid() {
+        let a = unique_name();
+        let b = unique_name();
+        assert_ne!(a, b);
+        for name in [&a, &b] {
+            validate_name(name).expect("valid name");
+            assert_eq!(creator_pid(name), Some(std::process::id()));
+        }
+    }
+
+    #[test]
+    fn parses_creator_pids() {
+        assert_eq!(creator_pid("tower_inbox_t_123_4_abc"), Some(123));
+        assert_eq!(creator_pid("tower_inbox_t_x_4_abc"), None);
+        assert_eq!(creator_pid("other_123"), None);
+    }
+
+    #[test]
+    fn validates_names() {
+        validate_name("tower_inbox_example").expect("valid");
+        validate_name("bench-1").expect("valid");
+        assert!(validate_name("").is_err());
+        assert!(validate_name("a b").is_err());
+        assert!(validate_name("x\"; DROP").is_err());
+        assert!(validate_name(&"a".repeat(64)).is_err());
+    }
+
+    #[test]
+    fn quotes_identifiers() {
+        assert_eq!(quote_ident("plain"), "\"plain\"");
+        assert_eq!(quote_ident("a\"b"), "\"a\"\"b\"");
+    }
+}

@@ -1,0 +1,228 @@
+//! Shared by the integration tests: a fresh database per test, the credits service, and
+//! helpers that read the database invariants the tests assert.
+#![allow(dead_code)]
+
+#[path = "../../examples/credits/app.rs"]
+pub mod credits;
+
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::Router;
+use bytes::Bytes;
+use http::{HeaderMap, Request, StatusCode};
+use http_body_util::BodyExt;
+use serde_json::Value;
+use sqlx::postgres::PgPoolOptions;
+use sqlx::PgPool;
+use tower::ServiceExt;
+use tower_inbox_testdb::TestDatabase;
+
+/// A fresh database with the inbox and credits schemas.
+pub struct TestApp {
+    pub pool: PgPool,
+    // Dropped last: it drops the database.
+    pub db: TestDatabase,
+}
+
+impl TestApp {
+    pub async fn new() -> Self {
+        Self::with_pool_size(10).await
+    }
+
+    pub async fn with_pool_size(max_connections: u32) -> Self {
+        let db = TestDatabase::create().await.expect("test database");
+        let pool = db.pool(max_connections).await;
+        credits::prepare(&pool).await.expect("schema");
+        Self { pool, db }
+    }
+
+    /// The credits service exactly as the example serves it.
+    pub fn credits(&self) -> Router {
+        credits::router(self.pool.clone()).expect("router")
+    }
+
+    /// The credits service with changed inbox settings.
+    pub fn credits_with(
+        &self,
+        configure: impl FnOnce(tower_inbox::InboxLayerBuilder) -> tower_inbox::InboxLayerBuilder,
+    ) -> Router {
+        let layer = configure(credits::inbox_layer(self.pool.clone()))
+            .build()
+            .expect("layer");
+        credits::routes(self.pool.clone(), layer)
+    }
+
+    pub async fn ledger_rows(&self, account: &str) -> i64 {
+        sqlx::query_scalar("select count(*) from credit_ledger where account_id = $1")
+            .bind(account)
+            .fetch_one(&self.pool)
+            .await
+            .expect("ledger count")
+    }
+
+    pub async fn balance(&self, account: &str) -> Option<i64> {
+        sqlx::query_scalar("select balance from credit_account where account_id = $1")
+            .bind(account)
+            .fetch_optional(&self.pool)
+            .await
+            .expect("balance")
+    }
+
+    pub async fn inbox_rows(&self) -> i64 {
+        sqlx::query_scalar("select count(*) from consumer_inbox")
+            .fetch_one(&self.pool)
+            .await
+            .expect("inbox count")
+    }
+
+    /// The committed inbox row for a key, if any.
+    pub async fn inbox_row(&self, producer: &str, key: &str) -> Option<InboxRow> {
+        sqlx::query_as::<_, (String, String, bool, Option<i16>, Option<Vec<u8>>)>(
+            "select payload_sha256, handler_version, processed_at is not null, response_status, response_body
+             from consumer_inbox where producer_name = $1 and message_id = $2",
+        )
+        .bind(producer)
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await
+        .expect("inbox row")
+        .map(|(sha, version, processed, status, body)| InboxRow {
+            payload_sha256: sha,
+            handler_version: version,
+            processed,
+            status: status.map(|s| s as u16),
+            body: body.map(Bytes::from),
+        })
+    }
+
+    /// `(attempts, last_reason)` of the failure record for a key.
+    pub async fn failures(&self, producer: &str, key: &str) -> Option<(i32, String)> {
+        sqlx::query_as(
+            "select attempts, last_reason from consumer_inbox_failure
+             where producer_name = $1 and message_id = $2",
+        )
+        .bind(producer)
+        .bind(key)
+        .fetch_optional(&self.pool)
+        .await
+        .expect("failure row")
+    }
+
+    /// Waits (bounded) until the failure record for a key reaches `attempts`: a record
+    /// written by a task spawned when a request future was dropped.
+    pub async fn wait_for_failures(
+        &self,
+        producer: &str,
+        key: &str,
+        attempts: i32,
+    ) -> (i32, String) {
+        for _ in 0..200 {
+            if let Some(f) = self.failures(producer, key).await {
+                if f.0 >= attempts {
+                    return f;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        panic!("no failure record with {attempts} attempts for {producer}/{key}");
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxRow {
+    pub payload_sha256: String,
+    pub handler_version: String,
+    pub processed: bool,
+    pub status: Option<u16>,
+    pub body: Option<Bytes>,
+}
+
+/// A pool to a port where nothing listens: every acquire fails.
+pub fn unreachable_pool() -> PgPool {
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        listener.local_addr().expect("addr").port()
+    };
+    PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_lazy(&format!("postgres://postgres@127.0.0.1:{port}/none"))
+        .expect("lazy pool")
+}
+
+/// `POST /accounts/{account}/credits` with `{"delta": delta}`.
+pub fn credit(
+    account: &str,
+    key: Option<&str>,
+    producer: Option<&str>,
+    delta: i64,
+) -> Request<Body> {
+    credit_raw(account, key, producer, format!(r#"{{"delta": {delta}}}"#))
+}
+
+pub fn credit_raw(
+    account: &str,
+    key: Option<&str>,
+    producer: Option<&str>,
+    body: impl Into<Body>,
+) -> Request<Body> {
+    let mut builder = Request::post(format!("/accounts/{account}/credits"))
+        .header("content-type", "application/json");
+    if let Some(key) = key {
+        builder = builder.header("idempotency-key", key);
+    }
+    if let Some(producer) = producer {
+        builder = builder.header("x-producer", producer);
+    }
+    builder.body(body.into()).expect("request")
+}
+
+/// A response read to its end.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("body is not JSON ({e}): {:?}", self.body))
+    }
+
+    pub fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+
+    /// The problem `type` slug (what follows '#'), asserting the problem+json shape.
+    pub fn problem_type(&self) -> String {
+        assert_eq!(
+            self.headers["content-type"], "application/problem+json",
+            "not a problem response: {self:?}"
+        );
+        let json = self.json();
+        assert_eq!(json["status"], self.status.as_u16(), "{json}");
+        assert!(
+            json["title"].is_string() && json["detail"].is_string(),
+            "{json}"
+        );
+        let uri = json["type"].as_str().expect("type").to_owned();
+        uri.rsplit_once('#')
+            .map(|(_, slug)| slug.to_owned())
+            .unwrap_or(uri)
+    }
+}
+
+pub async fn send(router: &Router, request: Request<Body>) -> Reply {
+    let response = router.clone().oneshot(request).await.expect("infallible");
+    let (parts, body) = response.into_parts();
+    let body = body.collect().await.expect("body").to_bytes();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
