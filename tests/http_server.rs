@@ -17,7 +17,9 @@ use tower_inbox::producer::TrustedHeader;
 use tower_inbox::{InboxLayer, InboxTx};
 
 async fn serve(router: Router) -> std::net::SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
     let addr = listener.local_addr().expect("addr");
     tokio::spawn(async move { axum::serve(listener, router).await });
     addr

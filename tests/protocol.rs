@@ -728,3 +728,124 @@ async fn migrations_run_twice_and_the_config_is_checked() {
         Some(tower_inbox::ConfigError::BadConsumerName)
     );
 }
+
+#[tokio::test]
+async fn a_connection_lost_before_the_commit_answers_503_and_commits_nothing() {
+    let app = TestApp::new().await;
+    let pool = app.pool.clone();
+    let router = Router::new()
+        .route(
+            "/accounts/{account}/credits",
+            post(move |Path(account): Path<String>, mut tx: InboxTx| {
+                let pool = pool.clone();
+                async move {
+                    sqlx::query("insert into credit_account (account_id, balance) values ($1, 1)")
+                        .bind(&account)
+                        .execute(&mut *tx)
+                        .await
+                        .expect("write");
+                    let pid: i32 = sqlx::query_scalar("select pg_backend_pid()")
+                        .fetch_one(&mut *tx)
+                        .await
+                        .expect("pid");
+                    // The database drops the claimed connection after the handler's writes,
+                    // so recording and committing fail.
+                    sqlx::query("select pg_terminate_backend($1)")
+                        .bind(pid)
+                        .execute(&pool)
+                        .await
+                        .expect("terminate");
+                    StatusCode::CREATED
+                }
+            }),
+        )
+        .layer(layer(&app.pool, |b| b));
+    let reply = send(&router, credit("a1", Some("k"), Some("app"), 1)).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(reply.problem_type(), "unavailable");
+    assert!(reply.headers.contains_key("retry-after"));
+    assert_eq!(app.inbox_rows().await, 0);
+    assert_eq!(app.balance("a1").await, None);
+}
+
+#[tokio::test]
+async fn a_commit_refused_by_a_deferred_constraint_answers_500_and_commits_nothing() {
+    let app = TestApp::new().await;
+    sqlx::raw_sql(
+        "create table once_only (id int, constraint once unique (id) deferrable initially deferred);
+         insert into once_only values (1);",
+    )
+    .execute(&app.pool)
+    .await
+    .expect("schema");
+    let router = Router::new()
+        .route(
+            "/cmd",
+            post(|mut tx: InboxTx| async move {
+                // Accepted now, refused at COMMIT.
+                sqlx::query("insert into once_only values (1)")
+                    .execute(&mut *tx)
+                    .await
+                    .expect("deferred check");
+                StatusCode::CREATED
+            }),
+        )
+        .layer(layer(&app.pool, |b| b));
+    let reply = send(&router, post_to("/cmd", Some("k"), "{}")).await;
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(reply.problem_type(), "internal");
+    assert_eq!(app.inbox_rows().await, 0);
+    let rows: i64 = sqlx::query_scalar("select count(*) from once_only")
+        .fetch_one(&app.pool)
+        .await
+        .expect("count");
+    assert_eq!(rows, 1);
+}
+
+#[tokio::test]
+async fn a_database_without_the_migrations_answers_500_internal() {
+    let db = tower_inbox_testdb::TestDatabase::create()
+        .await
+        .expect("db");
+    let pool = db.pool(2).await;
+    let (calls, count) = counter();
+    let router = Router::new()
+        .route(
+            "/cmd",
+            post(move || {
+                calls.fetch_add(1, Ordering::SeqCst);
+                async { "ran" }
+            }),
+        )
+        .layer(layer(&pool, |b| b));
+    let reply = send(&router, post_to("/cmd", Some("k"), "{}")).await;
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(reply.problem_type(), "internal");
+    assert_eq!(count(), 0);
+}
+
+#[tokio::test]
+async fn a_failure_record_that_cannot_be_written_leaves_the_rollback_intact() {
+    let app = TestApp::new().await;
+    sqlx::query("drop table consumer_inbox_failure")
+        .execute(&app.pool)
+        .await
+        .expect("drop");
+    let router = Router::new()
+        .route(
+            "/cmd",
+            post(|mut tx: InboxTx| async move {
+                sqlx::query("insert into credit_account values ('a1', 1)")
+                    .execute(&mut *tx)
+                    .await
+                    .expect("write");
+                (StatusCode::BAD_GATEWAY, "upstream down")
+            }),
+        )
+        .layer(layer(&app.pool, |b| b));
+    let reply = send(&router, post_to("/cmd", Some("k"), "{}")).await;
+    assert_eq!(reply.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(&reply.body[..], b"upstream down");
+    assert_eq!(app.inbox_rows().await, 0);
+    assert_eq!(app.balance("a1").await, None);
+}
