@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Connection, PgConnection};
+use sqlx::{Connection, Executor, PgConnection};
 
 use crate::error::{Context, Error};
 use crate::server::{self, server_async, Server, ServerKind};
@@ -66,14 +66,16 @@ impl TestDatabase {
         let mut conn = connect_maintenance(server).await?;
 
         if server.is_on_this_machine() && !STALE_CLEANUP_STARTED.swap(true, Ordering::SeqCst) {
-            conn = drop_stale_databases(conn).await;
+            drop_stale_databases(&mut conn).await;
         }
 
         let name = unique_name();
-        sqlx::raw_sql(&format!("CREATE DATABASE {}", quote_ident(&name)))
-            .execute(&mut conn)
-            .await
-            .context(|| format!("cannot create the test database {name}"))?;
+        execute(
+            &mut conn,
+            &format!("CREATE DATABASE {}", quote_ident(&name)),
+        )
+        .await
+        .context(|| format!("cannot create the test database {name}"))?;
         // The database exists either way; a failed goodbye is irrelevant.
         let _ = conn.close().await;
 
@@ -165,6 +167,15 @@ impl Drop for TestDatabase {
 /// is kept, so repeated runs reuse it; on a throwaway server it disappears
 /// with the server, which stays up while this process runs and for about ten
 /// seconds after.
+///
+/// ```no_run
+/// # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+/// let url = tower_inbox_testdb::app_database_url("tower_inbox_example").await?;
+/// let pool = sqlx::PgPool::connect(&url).await?;
+/// # drop(pool);
+/// # Ok(())
+/// # }
+/// ```
 pub async fn app_database_url(name: &str) -> Result<String, Error> {
     validate_name(name)?;
     let server = server_async().await?;
@@ -180,10 +191,7 @@ pub async fn app_database_url(name: &str) -> Result<String, Error> {
             .await
             .context(|| format!("cannot look up database {name}"))?;
     if !exists {
-        match sqlx::raw_sql(&format!("CREATE DATABASE {}", quote_ident(name)))
-            .execute(&mut conn)
-            .await
-        {
+        match execute(&mut conn, &format!("CREATE DATABASE {}", quote_ident(name))).await {
             Ok(_) => {}
             // Someone created it between our check and our CREATE:
             // duplicate_database, or unique_violation on pg_database's index
@@ -202,9 +210,7 @@ pub async fn app_database_url(name: &str) -> Result<String, Error> {
     Ok(server.database_url(name))
 }
 
-// Takes `&'static`: a shorter borrow held across an await makes the futures
-// of `create` and `app_database_url` fail the `Send` check of `tokio::spawn`.
-async fn connect_maintenance(server: &'static Server) -> Result<PgConnection, Error> {
+async fn connect_maintenance(server: &Server) -> Result<PgConnection, Error> {
     PgConnection::connect_with(&server.maintenance_options())
         .await
         .context(|| {
@@ -220,34 +226,38 @@ async fn drop_database(maintenance: &PgConnectOptions, name: &str) -> Result<(),
     let mut conn = PgConnection::connect_with(maintenance)
         .await
         .context(|| "cannot connect to the maintenance database")?;
-    sqlx::raw_sql(&format!(
-        "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-        quote_ident(name)
-    ))
-    .execute(&mut conn)
-    .await
-    .context(|| "DROP DATABASE failed")?;
+    let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", quote_ident(name));
+    execute(&mut conn, &sql)
+        .await
+        .context(|| "DROP DATABASE failed")?;
     let _ = conn.close().await;
     Ok(())
 }
 
+/// Runs one statement over the simple query protocol (a `&str` without
+/// arguments is not prepared), which `CREATE DATABASE` and `DROP DATABASE`
+/// need since they cannot be prepared.
+async fn execute(conn: &mut PgConnection, sql: &str) -> Result<(), sqlx::Error> {
+    // `Executor::execute` returns a boxed `Send` future. `RawSql::execute`
+    // would do the same, but as an `async fn` generic over the executor its
+    // future fails the higher-ranked `Send` check of `tokio::spawn` in
+    // callers ("implementation of `Executor` is not general enough").
+    conn.execute(sql).await.map(|_| ())
+}
+
 /// Drops test databases whose creating process is gone. Best effort: a
 /// failure only means leftovers stay until the next attempt.
-///
-/// Takes and returns the connection by value: executing on a reborrowed
-/// `&mut PgConnection` parameter makes the caller's future fail the
-/// higher-ranked `Send` check of `tokio::spawn`.
-async fn drop_stale_databases(mut conn: PgConnection) -> PgConnection {
+async fn drop_stale_databases(conn: &mut PgConnection) {
     let names: Vec<String> = match sqlx::query_scalar(
         r"SELECT datname::text FROM pg_database WHERE datname LIKE 'tower\_inbox\_t\_%'",
     )
-    .fetch_all(&mut conn)
+    .fetch_all(&mut *conn)
     .await
     {
         Ok(names) => names,
         Err(err) => {
             eprintln!("tower-inbox-testdb: cannot list stale test databases: {err}");
-            return conn;
+            return;
         }
     };
     let me = std::process::id();
@@ -262,11 +272,10 @@ async fn drop_stale_databases(mut conn: PgConnection) -> PgConnection {
             "DROP DATABASE IF EXISTS {} WITH (FORCE)",
             quote_ident(&name)
         );
-        if let Err(err) = sqlx::raw_sql(&sql).execute(&mut conn).await {
+        if let Err(err) = execute(conn, &sql).await {
             eprintln!("tower-inbox-testdb: cannot drop stale test database {name}: {err}");
         }
     }
-    conn
 }
 
 /// The pid in a name made by [`unique_name`].
@@ -315,6 +324,16 @@ fn quote_ident(name: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn assert_send<T: Send>(_: T) {}
+
+    /// Compile-time check: tests must be able to `tokio::spawn` these.
+    #[test]
+    fn futures_are_send() {
+        // Never polled; the futures are dropped unstarted.
+        assert_send(TestDatabase::create());
+        assert_send(app_database_url("x"));
+    }
 
     #[test]
     fn names_are_unique_valid_and_carry_the_pid() {

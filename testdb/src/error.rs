@@ -38,6 +38,12 @@ impl Error {
             source: Some(Arc::new(source)),
         }
     }
+
+    /// The same error with `prefix` put before its message.
+    pub(crate) fn prefixed(mut self, prefix: &str) -> Self {
+        self.message = format!("{prefix}{}", self.message);
+        self
+    }
 }
 
 impl fmt::Display for Error {

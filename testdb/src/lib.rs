@@ -40,4 +40,3 @@ mod throwaway;
 pub use database::{app_database_url, TestDatabase};
 pub use error::Error;
 pub use server::{server, Server, ServerKind};
-mod scratch;

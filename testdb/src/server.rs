@@ -189,7 +189,11 @@ fn discover() -> Result<Server, Error> {
             if local_server_answers() {
                 return Server::new(ServerKind::Local, LOCAL_URL.to_owned());
             }
-            throwaway_server()
+            throwaway_server().map_err(|err| {
+                err.prefixed(&format!(
+                    "{DATABASE_URL_VAR} is not set and nothing answers on 127.0.0.1:5432; "
+                ))
+            })
         }
         Mode::Env => match database_url_from_env()? {
             Some(url) => Server::new(ServerKind::Env, url),

@@ -2,8 +2,8 @@
 //!
 //! Everything lives in `<temp dir>/tower-inbox-pg-<uid>/`:
 //!
-//! | entry          | what                                                     |
-//! |----------------|----------------------------------------------------------|
+//! | entry          | what                                                      |
+//! |----------------|-----------------------------------------------------------|
 //! | `start.lock`   | held exclusively while checking, starting or stopping     |
 //! | `users.lock`   | held shared by every process using the cluster            |
 //! | `port`         | TCP port of the running server; absent when none runs     |
@@ -11,6 +11,7 @@
 //! | `sock/`        | the server's Unix socket directory                        |
 //! | `server.log`   | output of `initdb`, the server and the watchdog           |
 //! | `watchdog.pid` | pid of the process that stops the server when unused      |
+//! | `joined`       | left by each process that joins; the watchdog removes it  |
 //!
 //! A process joins by taking `start.lock`, then `users.lock` shared, which it
 //! keeps until it exits (the kernel releases the lock then, however the
@@ -18,7 +19,9 @@
 //! `users.lock` free for several checks in a row it stops the server and
 //! removes the data directory. Both sides look at `users.lock` only while
 //! holding `start.lock`, so a process cannot join a cluster that is being
-//! stopped.
+//! stopped. A process that lives shorter than the check interval may never
+//! be seen holding `users.lock`, so each one also leaves a `joined` marker,
+//! which restarts the watchdog's count.
 
 use std::ffi::{OsStr, OsString};
 use std::fs::{self, File, OpenOptions};
@@ -55,6 +58,9 @@ const WATCHDOG_NAME: &str = "tower-inbox-pg-watchdog";
 /// The watchdog. Arguments: base directory, idle checks, check interval, then
 /// the command that stops the server.
 ///
+/// A `joined` marker counts as a use even if its process has exited by the
+/// time of the check.
+///
 /// The lock files are opened by a redirection on the `{ ... }` group, so the
 /// shell holds them only for one check and closes them before it sleeps; the
 /// commands run inside the group (`flock`, `pg_ctl`, `rm`) exit before the
@@ -74,7 +80,10 @@ while :; do
     fi
     {
         flock -x 8 || exit 1
-        if flock -n -x 9; then
+        if [ -e "$base/joined" ]; then
+            rm -f "$base/joined"
+            idle=0
+        elif flock -n -x 9; then
             flock -u 9
             idle=$((idle + 1))
         else
@@ -137,6 +146,7 @@ struct Layout {
     start_lock: PathBuf,
     users_lock: PathBuf,
     watchdog_pid: PathBuf,
+    joined: PathBuf,
 }
 
 impl Layout {
@@ -150,6 +160,7 @@ impl Layout {
             start_lock: base.join("start.lock"),
             users_lock: base.join("users.lock"),
             watchdog_pid: base.join("watchdog.pid"),
+            joined: base.join("joined"),
             base,
         }
     }
@@ -204,7 +215,7 @@ fn join_users(layout: &Layout) -> Result<(), Error> {
     // Only reached under start.lock, so no other thread of this process
     // races here and `set` cannot fail.
     let _ = USERS_LOCK.set(file);
-    Ok(())
+    fs::write(&layout.joined, b"").context(|| format!("cannot write {}", layout.joined.display()))
 }
 
 /// The port of a server that runs and accepts sessions, if any.
@@ -770,9 +781,18 @@ impl Binaries {
     /// `/usr/lib/postgresql/*/bin` (Debian and Ubuntu keep them there, off
     /// PATH).
     fn find() -> Result<Self, Error> {
+        Self::search(
+            std::env::var_os("PATH"),
+            "pg_config",
+            Path::new("/usr/lib/postgresql"),
+        )
+    }
+
+    /// [`Binaries::find`] with its inputs as parameters, for tests.
+    fn search(path_var: Option<OsString>, pg_config: &str, root: &Path) -> Result<Self, Error> {
         let mut tried = Vec::new();
 
-        if let Some(bins) = std::env::var_os("PATH")
+        if let Some(bins) = path_var
             .iter()
             .flat_map(std::env::split_paths)
             .find_map(|dir| Self::in_dir(&dir))
@@ -781,7 +801,7 @@ impl Binaries {
         }
         tried.push("the directories on PATH".to_owned());
 
-        match Command::new("pg_config")
+        match Command::new(pg_config)
             .arg("--bindir")
             .stdin(Stdio::null())
             .output()
@@ -800,7 +820,6 @@ impl Binaries {
             Err(err) => tried.push(format!("`pg_config --bindir` (cannot run it: {err})")),
         }
 
-        let root = Path::new("/usr/lib/postgresql");
         let mut versions: Vec<(Vec<u32>, PathBuf)> = fs::read_dir(root)
             .into_iter()
             .flatten()
@@ -823,10 +842,9 @@ impl Binaries {
         tried.push(format!("{}/*/bin", root.display()));
 
         Err(Error::msg(format!(
-            "no PostgreSQL server found: DATABASE_URL is not set, and no PostgreSQL binaries \
-             ({}) were found to start a throwaway server; looked in {}. Install PostgreSQL \
-             (e.g. `apt-get install postgresql`), start a server on 127.0.0.1:5432, or set \
-             DATABASE_URL",
+            "cannot start a throwaway PostgreSQL server: no directory with the PostgreSQL server \
+             binaries ({}) found; looked in {}. Install PostgreSQL (e.g. `apt-get install \
+             postgresql`), start a server on 127.0.0.1:5432, or set DATABASE_URL",
             Self::NAMES,
             tried.join(", ")
         )))
@@ -894,6 +912,45 @@ mod tests {
         let uid = effective_uid().expect("uid");
         let id = Command::new("id").arg("-u").output().expect("id -u");
         assert_eq!(uid.to_string(), String::from_utf8_lossy(&id.stdout).trim());
+    }
+
+    fn fake_bin_dir(dir: &Path, names: &[&str]) {
+        fs::create_dir_all(dir).expect("create dir");
+        for name in names {
+            let path = dir.join(name);
+            fs::write(&path, "#!/bin/sh\n").expect("write");
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o755)).expect("chmod");
+        }
+    }
+
+    #[test]
+    fn finds_binaries_in_the_newest_versioned_directory() {
+        let root =
+            std::env::temp_dir().join(format!("tower-inbox-testdb-bins-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&root);
+        fake_bin_dir(&root.join("9.6/bin"), &["initdb", "postgres", "pg_ctl"]);
+        fake_bin_dir(&root.join("16/bin"), &["initdb", "postgres", "pg_ctl"]);
+        // Newest, but incomplete.
+        fake_bin_dir(&root.join("17/bin"), &["initdb"]);
+        let bins = Binaries::search(None, "/nonexistent/pg_config", &root).expect("found");
+        assert_eq!(bins.postgres, root.join("16/bin/postgres"));
+
+        let err = Binaries::search(None, "/nonexistent/pg_config", &root.join("none"))
+            .err()
+            .expect("nothing to find");
+        let message = err.to_string();
+        for expected in [
+            "initdb, postgres and pg_ctl",
+            "PATH",
+            "pg_config --bindir",
+            "none/*/bin",
+        ] {
+            assert!(
+                message.contains(expected),
+                "{expected:?} missing from: {message}"
+            );
+        }
+        fs::remove_dir_all(&root).expect("clean up");
     }
 
     #[test]
