@@ -30,7 +30,8 @@ comment on table consumer_inbox is
     'tower-inbox: one row per claimed command; the primary key serialises concurrent claims';
 
 -- Attempts that rolled back (handler 5xx, panic, client gone). Written in a transaction of
--- its own, so it survives the rollback it describes.
+-- its own, so it survives the rollback it describes. Repeated failures of one key also open
+-- a quarantine item (next migration).
 create table consumer_inbox_failure (
     consumer_name   text        not null,
     producer_name   text        not null,

@@ -29,6 +29,10 @@ impl Fingerprint {
         Self(Sha256::digest(bytes).into())
     }
 
+    pub(crate) fn from_digest(digest: [u8; 32]) -> Self {
+        Self(digest)
+    }
+
     /// The raw digest.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0

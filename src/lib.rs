@@ -46,9 +46,11 @@ mod identity;
 pub mod inbox;
 mod key;
 pub mod middleware;
+pub mod outbox;
 mod outcome;
 pub mod problem;
 pub mod producer;
+pub mod quarantine;
 
 pub use extract::InboxTx;
 pub use fingerprint::{CommandPayload, Fingerprint, FingerprintStrategy};

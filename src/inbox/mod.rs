@@ -40,6 +40,7 @@ use sqlx::{Postgres, Row, Transaction};
 
 use crate::fingerprint::Fingerprint;
 use crate::identity::MessageIdentity;
+use crate::quarantine::{identity_item_key, QuarantineSource};
 
 /// The embedded migrations that create the inbox tables and the claim function.
 ///
@@ -231,15 +232,18 @@ impl Inbox {
     }
 
     /// Counts an attempt at `identity` that rolled back, with a stable reason code, in a
-    /// transaction of its own.
+    /// transaction of its own. From the `quarantine_after`th failure on, the command also has
+    /// an open [quarantine](crate::quarantine) item; its id is returned.
     pub async fn record_failure(
         &self,
         identity: &MessageIdentity,
         fingerprint: Fingerprint,
         handler_version: &str,
         reason: &str,
-    ) -> Result<(), InboxError> {
-        sqlx::query(sql::RECORD_FAILURE)
+        quarantine_after: u32,
+    ) -> Result<Option<i64>, InboxError> {
+        let item_key = identity_item_key(QuarantineSource::HandlerFailure, identity, "");
+        sqlx::query_scalar(sql::RECORD_FAILURE)
             .bind(identity.consumer())
             .bind(identity.producer().name())
             .bind(identity.tenant_column())
@@ -247,6 +251,34 @@ impl Inbox {
             .bind(fingerprint.to_hex())
             .bind(handler_version)
             .bind(reason)
+            .bind(i32::try_from(quarantine_after.max(1)).unwrap_or(i32::MAX))
+            .bind(item_key)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(InboxError::classify)
+    }
+
+    /// Keeps an identity conflict (`identity` claimed before with another payload) in the
+    /// [quarantine](crate::quarantine): one open item per conflicting payload, counted.
+    pub async fn record_conflict(
+        &self,
+        identity: &MessageIdentity,
+        conflicting: Fingerprint,
+        handler_version: &str,
+    ) -> Result<(), InboxError> {
+        let sha = conflicting.to_hex();
+        sqlx::query(sql::RECORD_CONFLICT)
+            .bind(identity_item_key(
+                QuarantineSource::IdentityConflict,
+                identity,
+                &sha,
+            ))
+            .bind(identity.consumer())
+            .bind(identity.producer().name())
+            .bind(identity.tenant_column())
+            .bind(identity.message_id().as_str())
+            .bind(&sha)
+            .bind(handler_version)
             .execute(&self.pool)
             .await
             .map_err(InboxError::classify)?;
@@ -339,6 +371,11 @@ impl ClaimedMessage {
             .bind(names)
             .bind(values)
             .bind(body)
+            .bind(identity_item_key(
+                QuarantineSource::HandlerFailure,
+                identity,
+                "",
+            ))
             .execute(&mut *self.tx)
             .await
             .map_err(InboxError::classify)?;

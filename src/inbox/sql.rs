@@ -8,21 +8,55 @@ select claimed, payload_sha256, handler_version, processed_at is not null as pro
 from tower_inbox_claim($1, $2, $3, $4, $5, $6, $7)";
 
 /// Records the outcome on the claimed row. Touches no indexed column, so it can be a HOT
-/// update.
+/// update. In the same statement, a quarantine item about earlier failed attempts of this
+/// command is marked recovered: it commits exactly when the success does.
 pub(crate) const RECORD: &str = "\
+with recovered as ( \
+    update inbox_quarantine \
+    set recovered_at = now(), \
+        decision = coalesce(decision, 'repair'), \
+        decided_by = coalesce(decided_by, 'tower-inbox'), \
+        decided_at = coalesce(decided_at, now()), \
+        decision_reason = coalesce(decision_reason, 'a later attempt committed') \
+    where item_key = $9 and recovered_at is null \
+) \
 update consumer_inbox \
 set processed_at = now(), response_status = $5, response_header_names = $6, \
     response_header_values = $7, response_body = $8 \
 where consumer_name = $1 and producer_name = $2 and tenant_id = $3 and message_id = $4";
 
-/// Counts a rolled-back attempt, in its own transaction.
+/// Counts a rolled-back attempt, in its own transaction; from the `$8`th attempt on, the
+/// command also has an open quarantine item (key `$9`) carrying the same count.
 pub(crate) const RECORD_FAILURE: &str = "\
-insert into consumer_inbox_failure as f \
-    (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version, last_reason) \
-values ($1, $2, $3, $4, $5, $6, $7) \
-on conflict (consumer_name, producer_name, tenant_id, message_id) do update \
-set attempts = f.attempts + 1, last_failed_at = now(), last_reason = excluded.last_reason, \
-    payload_sha256 = excluded.payload_sha256, handler_version = excluded.handler_version";
+with failure as ( \
+    insert into consumer_inbox_failure as f \
+        (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version, last_reason) \
+    values ($1, $2, $3, $4, $5, $6, $7) \
+    on conflict (consumer_name, producer_name, tenant_id, message_id) do update \
+    set attempts = f.attempts + 1, last_failed_at = now(), last_reason = excluded.last_reason, \
+        payload_sha256 = excluded.payload_sha256, handler_version = excluded.handler_version \
+    returning * \
+) \
+insert into inbox_quarantine as q \
+    (source, item_key, consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
+     payload_ref, reason_code, attempts, first_failed_at, last_failed_at, handler_version) \
+select 'handler-failure', $9, consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
+       'sha256:' || payload_sha256, last_reason, attempts, first_failed_at, last_failed_at, handler_version \
+from failure where attempts >= $8 \
+on conflict (item_key) where decision is null do update \
+set attempts = excluded.attempts, last_failed_at = excluded.last_failed_at, \
+    reason_code = excluded.reason_code, payload_sha256 = excluded.payload_sha256, \
+    payload_ref = excluded.payload_ref, handler_version = excluded.handler_version \
+returning q.id";
+
+/// Keeps an identity conflict: one open item per (identity, conflicting payload), counted.
+pub(crate) const RECORD_CONFLICT: &str = "\
+insert into inbox_quarantine as q \
+    (source, item_key, consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
+     payload_ref, reason_code, handler_version) \
+values ('identity-conflict', $1, $2, $3, $4, $5, $6, 'sha256:' || $6, 'payload-mismatch', $7) \
+on conflict (item_key) where decision is null do update \
+set attempts = q.attempts + 1, last_failed_at = now()";
 
 /// Reads one inbox row, outside any transaction.
 pub(crate) const LOOKUP: &str = "\

@@ -192,6 +192,14 @@ impl Command {
                     sha256 = %self.fingerprint,
                     "idempotency key reused with a different payload"
                 );
+                // The answer does not depend on keeping the record; a failure is logged.
+                if let Err(err) = config
+                    .inbox
+                    .record_conflict(&self.identity, self.fingerprint, &config.handler_version)
+                    .await
+                {
+                    tracing::error!(error = %err, "could not quarantine the identity conflict");
+                }
                 let detail = format!(
                     "this {} was already used for a different request; use a new key for a new command",
                     config.key_header
@@ -239,6 +247,7 @@ impl Command {
             identity,
             fingerprint,
             handler_version: config.handler_version.clone(),
+            quarantine_after: config.quarantine_after,
             armed: true,
         };
         // `call` runs inside the caught future, so a panic while building the handler's
@@ -346,6 +355,7 @@ struct Attempt {
     identity: MessageIdentity,
     fingerprint: Fingerprint,
     handler_version: Arc<str>,
+    quarantine_after: u32,
     armed: bool,
 }
 
@@ -356,14 +366,7 @@ impl Attempt {
 
     async fn failed(mut self, reason: &'static str) {
         self.armed = false;
-        record_failure(
-            &self.inbox,
-            &self.identity,
-            self.fingerprint,
-            &self.handler_version,
-            reason,
-        )
-        .await;
+        record_failure(self.failure(), reason).await;
     }
 }
 
@@ -375,29 +378,52 @@ impl Drop for Attempt {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let inbox = self.inbox.clone();
-        let identity = self.identity.clone();
-        let fingerprint = self.fingerprint;
-        let version = self.handler_version.clone();
-        runtime.spawn(async move {
-            record_failure(&inbox, &identity, fingerprint, &version, "client-gone").await;
-        });
+        let failure = self.failure();
+        runtime.spawn(record_failure(failure, "client-gone"));
     }
 }
 
-async fn record_failure(
-    inbox: &Inbox,
-    identity: &MessageIdentity,
+/// What a failed attempt is recorded with; owned, so a spawned task can take it.
+struct FailedAttempt {
+    inbox: Inbox,
+    identity: MessageIdentity,
     fingerprint: Fingerprint,
-    handler_version: &str,
-    reason: &str,
-) {
-    tracing::warn!(%identity, reason, "attempt rolled back");
-    if let Err(err) = inbox
-        .record_failure(identity, fingerprint, handler_version, reason)
-        .await
-    {
-        tracing::error!(%identity, error = %err, "could not count the failed attempt");
+    handler_version: Arc<str>,
+    quarantine_after: u32,
+}
+
+impl Attempt {
+    fn failure(&self) -> FailedAttempt {
+        FailedAttempt {
+            inbox: self.inbox.clone(),
+            identity: self.identity.clone(),
+            fingerprint: self.fingerprint,
+            handler_version: self.handler_version.clone(),
+            quarantine_after: self.quarantine_after,
+        }
+    }
+}
+
+async fn record_failure(f: FailedAttempt, reason: &'static str) {
+    tracing::warn!(identity = %f.identity, reason, "attempt rolled back");
+    let recorded = f
+        .inbox
+        .record_failure(
+            &f.identity,
+            f.fingerprint,
+            &f.handler_version,
+            reason,
+            f.quarantine_after,
+        )
+        .await;
+    match recorded {
+        Ok(Some(item)) => {
+            tracing::warn!(identity = %f.identity, item, "command quarantined after repeated failures");
+        }
+        Ok(None) => {}
+        Err(err) => {
+            tracing::error!(identity = %f.identity, error = %err, "could not count the failed attempt");
+        }
     }
 }
 

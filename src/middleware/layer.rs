@@ -46,6 +46,7 @@ pub(crate) struct InboxConfig {
     pub(crate) outcome: OutcomePolicy,
     pub(crate) handler_version: Arc<str>,
     pub(crate) fingerprint: FingerprintStrategy,
+    pub(crate) quarantine_after: u32,
 }
 
 /// A Tower layer that makes guarded requests exactly-once commands.
@@ -77,6 +78,7 @@ impl InboxLayer {
             outcome: OutcomePolicy::default(),
             handler_version: "1".to_owned(),
             fingerprint: FingerprintStrategy::default(),
+            quarantine_after: 3,
         }
     }
 }
@@ -156,9 +158,18 @@ pub struct InboxLayerBuilder {
     outcome: OutcomePolicy,
     handler_version: String,
     fingerprint: FingerprintStrategy,
+    quarantine_after: u32,
 }
 
 impl InboxLayerBuilder {
+    /// After how many rolled-back attempts (5xx, panic, client gone) a command also gets an
+    /// open [quarantine](crate::quarantine) item (default 3). Every attempt is counted in
+    /// `consumer_inbox_failure` regardless.
+    pub fn quarantine_after(mut self, attempts: u32) -> Self {
+        self.quarantine_after = attempts;
+        self
+    }
+
     /// Where the producer scope comes from (required). See [`crate::producer`].
     pub fn producer(mut self, scope: impl ProducerScope) -> Self {
         self.producer = Some(Arc::new(scope));
@@ -260,6 +271,9 @@ impl InboxLayerBuilder {
         if self.max_key_len == 0 || self.max_key_len > MAX_KEY_LEN {
             return Err(ConfigError::BadLimit("max_key_len must be 1 to 255"));
         }
+        if self.quarantine_after == 0 {
+            return Err(ConfigError::BadLimit("quarantine_after must be positive"));
+        }
         if self.body_limit == 0 {
             return Err(ConfigError::BadLimit("body_limit must be positive"));
         }
@@ -297,6 +311,7 @@ impl InboxLayerBuilder {
                 outcome: self.outcome,
                 handler_version: self.handler_version.into(),
                 fingerprint: self.fingerprint,
+                quarantine_after: self.quarantine_after,
             }),
         })
     }

@@ -1,0 +1,284 @@
+//! The transactional outbox: external effects written in the handler's transaction and
+//! delivered later by a [`Dispatcher`].
+//!
+//! The inbox prevents duplicate domain decisions; the outbox makes the intended external
+//! effect durable. A handler never calls another service inside its transaction: that is not
+//! atomic, it only holds locks across a network call. It [`enqueue`]s the effect instead. The
+//! row commits with the claim and the business change, or not at all, and its effect ID is
+//! derived from the message identity, so one command can never produce two effects.
+//!
+//! **Delivery guarantee.** At least once, always with the same idempotency key (the effect
+//! ID). An effect happens exactly once only where the receiver deduplicates by that key: after
+//! an ambiguous outcome (a timeout, a lost response, a dispatcher that died mid-delivery) the
+//! dispatcher cannot know whether the receiver applied it, so it delivers again.
+//!
+//! ```no_run
+//! use axum::http::StatusCode;
+//! use tower_inbox::outbox::{enqueue, OutboxMessage};
+//! use tower_inbox::InboxTx;
+//!
+//! async fn credit(mut tx: InboxTx) -> StatusCode {
+//!     // ... business writes on `tx` ...
+//!     let identity = tx.identity().clone();
+//!     let message = OutboxMessage::new("http://mailer.internal/send", r#"{"template":"credited"}"#)
+//!         .header("content-type", "application/json");
+//!     match enqueue(&mut tx, &identity, "email", &message).await {
+//!         Ok(_) => StatusCode::CREATED,
+//!         Err(_) => StatusCode::INTERNAL_SERVER_ERROR, // rolls the whole command back
+//!     }
+//! }
+//! ```
+
+mod dispatcher;
+mod sql;
+mod transport;
+
+use std::fmt;
+
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use sqlx::{PgConnection, PgPool, Row};
+use time::OffsetDateTime;
+
+use crate::identity::MessageIdentity;
+use crate::inbox::InboxError;
+
+pub use dispatcher::{DispatchReport, Dispatcher, DispatcherBuilder};
+pub use transport::{Delivery, HttpTransport, Transport};
+
+/// The stable ID of one external effect, also its idempotency key at the receiver.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct EffectId(String);
+
+impl EffectId {
+    /// The effect `effect_name` of the message `identity`: the same inputs always give the
+    /// same ID, so re-running a command cannot create a second effect.
+    ///
+    /// ```
+    /// use tower_inbox::outbox::EffectId;
+    /// use tower_inbox::{MessageIdentity, MessageKey, Producer};
+    ///
+    /// let id = MessageIdentity::new("credits", Producer::new("app").unwrap(), MessageKey::new("k1").unwrap());
+    /// assert_eq!(EffectId::for_message(&id, "webhook"), EffectId::for_message(&id, "webhook"));
+    /// assert_ne!(EffectId::for_message(&id, "webhook"), EffectId::for_message(&id, "email"));
+    /// ```
+    pub fn for_message(identity: &MessageIdentity, effect_name: &str) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-inbox/effect/v1");
+        for part in [
+            identity.consumer(),
+            identity.producer().name(),
+            identity.tenant_column(),
+            identity.message_id().as_str(),
+            effect_name,
+        ] {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part.as_bytes());
+        }
+        let digest = hasher.finalize();
+        Self(crate::Fingerprint::from_digest(digest.into()).to_hex())
+    }
+
+    /// An ID chosen by the caller, for effects that do not come from an inbox message. It
+    /// must be stable across retries of whatever enqueues it.
+    pub fn new(id: impl Into<String>) -> Self {
+        Self(id.into())
+    }
+
+    /// The ID as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for EffectId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "EffectId({})", self.0)
+    }
+}
+
+impl fmt::Display for EffectId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// What to deliver: a destination the [`Transport`] understands (a URL for
+/// [`HttpTransport`]), a payload and headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxMessage {
+    destination: String,
+    payload: Bytes,
+    headers: Vec<(String, String)>,
+}
+
+impl OutboxMessage {
+    /// A message to `destination` with `payload`.
+    pub fn new(destination: impl Into<String>, payload: impl Into<Bytes>) -> Self {
+        Self {
+            destination: destination.into(),
+            payload: payload.into(),
+            headers: Vec::new(),
+        }
+    }
+
+    /// Adds a header sent with every delivery attempt.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+}
+
+/// The result of [`enqueue`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Enqueued {
+    /// The effect's ID.
+    pub effect_id: EffectId,
+    /// `false` when the effect was already in the outbox (the same command enqueued it).
+    pub inserted: bool,
+}
+
+/// Writes the effect `effect_name` of the message `identity` to the outbox, on `conn`: the
+/// claimed transaction ([`InboxTx`](crate::InboxTx) or
+/// [`ClaimedMessage`](crate::ClaimedMessage)) or any sqlx transaction.
+///
+/// Dispatchers are woken when the transaction commits; a rollback leaves no trace.
+pub async fn enqueue(
+    conn: &mut PgConnection,
+    identity: &MessageIdentity,
+    effect_name: &str,
+    message: &OutboxMessage,
+) -> Result<Enqueued, InboxError> {
+    let effect_id = EffectId::for_message(identity, effect_name);
+    insert(conn, &effect_id, effect_name, Some(identity), message).await
+}
+
+/// Like [`enqueue`], with an effect ID chosen by the caller and no message identity.
+pub async fn enqueue_with_id(
+    conn: &mut PgConnection,
+    effect_id: EffectId,
+    effect_name: &str,
+    message: &OutboxMessage,
+) -> Result<Enqueued, InboxError> {
+    insert(conn, &effect_id, effect_name, None, message).await
+}
+
+async fn insert(
+    conn: &mut PgConnection,
+    effect_id: &EffectId,
+    effect_name: &str,
+    identity: Option<&MessageIdentity>,
+    message: &OutboxMessage,
+) -> Result<Enqueued, InboxError> {
+    let names: Vec<&str> = message.headers.iter().map(|(n, _)| n.as_str()).collect();
+    let values: Vec<&str> = message.headers.iter().map(|(_, v)| v.as_str()).collect();
+    let result = sqlx::query(sql::ENQUEUE)
+        .bind(effect_id.as_str())
+        .bind(effect_name)
+        .bind(identity.map(|i| i.consumer()))
+        .bind(identity.map(|i| i.producer().name()))
+        .bind(identity.map(|i| i.tenant_column()))
+        .bind(identity.map(|i| i.message_id().as_str()))
+        .bind(&message.destination)
+        .bind(&message.payload[..])
+        .bind(names)
+        .bind(values)
+        .execute(conn)
+        .await
+        .map_err(InboxError::classify)?;
+    Ok(Enqueued {
+        effect_id: effect_id.clone(),
+        inserted: result.rows_affected() == 1,
+    })
+}
+
+/// One effect as the dispatcher hands it to a [`Transport`].
+#[derive(Debug, Clone)]
+pub struct Effect {
+    /// The stable ID: send it as the idempotency key.
+    pub effect_id: EffectId,
+    /// The effect's name, e.g. `webhook`.
+    pub effect_name: String,
+    /// Where to deliver it.
+    pub destination: String,
+    /// What to deliver.
+    pub payload: Bytes,
+    /// The headers enqueued with it.
+    pub headers: Vec<(String, String)>,
+    /// Which attempt this is, from 1.
+    pub attempt: i32,
+}
+
+/// Where an effect stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EffectStatus {
+    /// Not delivered yet (possibly leased by a dispatcher right now).
+    Pending,
+    /// Delivered; the receiver's result is recorded.
+    Delivered,
+    /// Out of attempts or permanently refused: moved to the quarantine.
+    Dead,
+}
+
+/// An outbox row, for operators and tests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutboxEntry {
+    /// The effect's ID.
+    pub effect_id: EffectId,
+    /// Its name.
+    pub effect_name: String,
+    /// Where it stands.
+    pub status: EffectStatus,
+    /// Delivery attempts started so far.
+    pub attempts: i32,
+    /// The last failure, if any.
+    pub last_error: Option<String>,
+    /// The receiver's last status code, if it answered.
+    pub remote_status: Option<i32>,
+    /// The receiver's answer to the delivery that succeeded.
+    pub remote_result: Option<String>,
+    /// When it was enqueued.
+    pub created_at: OffsetDateTime,
+    /// When it was delivered.
+    pub delivered_at: Option<OffsetDateTime>,
+}
+
+/// Reads the outbox.
+#[derive(Debug, Clone)]
+pub struct Outbox {
+    pool: PgPool,
+}
+
+impl Outbox {
+    /// The outbox over `pool`.
+    pub fn new(pool: PgPool) -> Self {
+        Self { pool }
+    }
+
+    /// One effect's row.
+    pub async fn entry(&self, effect_id: &EffectId) -> Result<Option<OutboxEntry>, InboxError> {
+        let row = sqlx::query(sql::ENTRY)
+            .bind(effect_id.as_str())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(InboxError::classify)?;
+        let Some(row) = row else { return Ok(None) };
+        let get = InboxError::Database;
+        let status: String = row.try_get("status").map_err(get)?;
+        Ok(Some(OutboxEntry {
+            effect_id: EffectId(row.try_get("effect_id").map_err(get)?),
+            effect_name: row.try_get("effect_name").map_err(get)?,
+            status: match status.as_str() {
+                "delivered" => EffectStatus::Delivered,
+                "dead" => EffectStatus::Dead,
+                _ => EffectStatus::Pending,
+            },
+            attempts: row.try_get("attempts").map_err(get)?,
+            last_error: row.try_get("last_error").map_err(get)?,
+            remote_status: row.try_get("remote_status").map_err(get)?,
+            remote_result: row.try_get("remote_result").map_err(get)?,
+            created_at: row.try_get("created_at").map_err(get)?,
+            delivered_at: row.try_get("delivered_at").map_err(get)?,
+        }))
+    }
+}
