@@ -1,0 +1,324 @@
+//! The outbox and the quarantine against real HTTP receivers on loopback.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::Router;
+use common::{credit, send, TestApp};
+use tower_inbox::outbox::{
+    enqueue, Dispatcher, EffectId, EffectStatus, HttpTransport, Outbox, OutboxMessage,
+};
+use tower_inbox::producer::TrustedHeader;
+use tower_inbox::quarantine::{Quarantine, QuarantineFilter, QuarantineSource};
+use tower_inbox::{InboxLayer, InboxTx, MessageIdentity, MessageKey, Producer};
+
+/// A receiver that deduplicates by `Idempotency-Key`, answering with the scripted statuses
+/// in turn (then 200), and optionally stalling after applying.
+#[derive(Clone, Default)]
+struct Receiver {
+    applied: Arc<Mutex<HashMap<String, usize>>>,
+    calls: Arc<Mutex<Vec<String>>>,
+    script: Arc<Mutex<Vec<(u16, Duration)>>>,
+}
+
+impl Receiver {
+    async fn serve(&self) -> String {
+        let receiver = self.clone();
+        let router = Router::new().route(
+            "/hook",
+            post(move |headers: HeaderMap| {
+                let receiver = receiver.clone();
+                async move {
+                    let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+                    receiver.calls.lock().unwrap().push(key.clone());
+                    let (status, stall) = {
+                        let mut script = receiver.script.lock().unwrap();
+                        if script.is_empty() {
+                            (200, Duration::ZERO)
+                        } else {
+                            script.remove(0)
+                        }
+                    };
+                    if status < 300 {
+                        // The receiver's own dedup by key: a repeat is acknowledged, not applied.
+                        receiver.applied.lock().unwrap().entry(key).or_insert(1);
+                    }
+                    tokio::time::sleep(stall).await;
+                    (StatusCode::from_u16(status).unwrap(), "receipt-1").into_response()
+                }
+            }),
+        );
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(listener, router).await });
+        format!("http://{addr}/hook")
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.lock().unwrap().len()
+    }
+}
+
+fn dispatcher(app: &TestApp, timeout: Duration) -> Dispatcher<HttpTransport> {
+    Dispatcher::builder(
+        app.pool.clone(),
+        HttpTransport::new(Duration::from_secs(30)).unwrap(),
+    )
+    .delivery_timeout(timeout)
+    .lease(timeout + Duration::from_secs(1))
+    .backoff(Duration::from_millis(10), Duration::from_millis(20))
+    .max_attempts(3)
+    .build()
+    .unwrap()
+}
+
+async fn enqueue_one(app: &TestApp, url: &str, key: &str) -> EffectId {
+    let identity = MessageIdentity::new(
+        "credits",
+        Producer::new("app").unwrap(),
+        MessageKey::new(key).unwrap(),
+    );
+    let mut tx = app.pool.begin().await.unwrap();
+    let enqueued = enqueue(
+        &mut tx,
+        &identity,
+        "webhook",
+        &OutboxMessage::new(url, "{}"),
+    )
+    .await
+    .unwrap();
+    let again = enqueue(
+        &mut tx,
+        &identity,
+        "webhook",
+        &OutboxMessage::new(url, "{}"),
+    )
+    .await
+    .unwrap();
+    assert!(
+        enqueued.inserted && !again.inserted,
+        "one effect per command"
+    );
+    tx.commit().await.unwrap();
+    enqueued.effect_id
+}
+
+/// Runs rounds until nothing is due (bounded); sleeps past short backoffs.
+async fn drain(d: &Dispatcher<HttpTransport>) {
+    for _ in 0..50 {
+        let report = d.dispatch_due().await.unwrap();
+        if report.leased == 0 {
+            tokio::time::sleep(Duration::from_millis(30)).await;
+            if d.dispatch_due().await.unwrap().leased == 0 {
+                return;
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn an_ambiguous_timeout_is_retried_with_the_same_key_and_applied_once() {
+    let app = TestApp::new().await;
+    let receiver = Receiver::default();
+    // Applies the effect, then answers too late.
+    receiver
+        .script
+        .lock()
+        .unwrap()
+        .push((200, Duration::from_secs(2)));
+    let url = receiver.serve().await;
+    let effect = enqueue_one(&app, &url, "k1").await;
+    let d = dispatcher(&app, Duration::from_millis(300));
+
+    let first = d.dispatch_due().await.unwrap();
+    assert_eq!((first.leased, first.retried), (1, 1));
+    drain(&d).await;
+
+    let calls = receiver.calls.lock().unwrap().clone();
+    assert_eq!(calls.len(), 2);
+    assert!(
+        calls.iter().all(|k| k == effect.as_str()),
+        "same idempotency key"
+    );
+    assert_eq!(
+        receiver.applied.lock().unwrap().len(),
+        1,
+        "one remote effect"
+    );
+    let entry = Outbox::new(app.pool.clone())
+        .entry(&effect)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(entry.status, EffectStatus::Delivered);
+    assert_eq!(entry.attempts, 2);
+    assert_eq!(entry.remote_status, Some(200));
+    assert_eq!(entry.remote_result.as_deref(), Some("receipt-1"));
+}
+
+#[tokio::test]
+async fn a_5xx_then_success_is_delivered() {
+    let app = TestApp::new().await;
+    let receiver = Receiver::default();
+    receiver.script.lock().unwrap().push((503, Duration::ZERO));
+    let url = receiver.serve().await;
+    let effect = enqueue_one(&app, &url, "k1").await;
+    let d = dispatcher(&app, Duration::from_secs(5));
+    drain(&d).await;
+    assert_eq!(receiver.calls(), 2);
+    let entry = Outbox::new(app.pool.clone())
+        .entry(&effect)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(entry.status, EffectStatus::Delivered);
+}
+
+#[tokio::test]
+async fn a_permanent_4xx_goes_dead_then_repair_delivers_and_counts_recovered() {
+    let app = TestApp::new().await;
+    let receiver = Receiver::default();
+    receiver.script.lock().unwrap().push((404, Duration::ZERO));
+    let url = receiver.serve().await;
+    let effect = enqueue_one(&app, &url, "k1").await;
+    let d = dispatcher(&app, Duration::from_secs(5));
+    let report = d.dispatch_due().await.unwrap();
+    assert_eq!(report.dead, 1);
+    let outbox = Outbox::new(app.pool.clone());
+    assert_eq!(
+        outbox.entry(&effect).await.unwrap().unwrap().status,
+        EffectStatus::Dead
+    );
+
+    let quarantine = Quarantine::new(app.pool.clone());
+    let open = quarantine.list(QuarantineFilter::Open, 10).await.unwrap();
+    assert_eq!(open.len(), 1);
+    let item = &open[0];
+    assert_eq!(item.source, QuarantineSource::DeadEffect);
+    assert_eq!(item.reason_code, "http-404");
+    assert_eq!(item.effect_id.as_deref(), Some(effect.as_str()));
+    assert_eq!(item.payload_ref, format!("message_outbox:{effect}"));
+
+    quarantine
+        .repair(item.id, "oncall", "receiver fixed")
+        .await
+        .unwrap();
+    assert!(quarantine.repair(item.id, "oncall", "again").await.is_err());
+    let report = d.dispatch_due().await.unwrap();
+    assert_eq!((report.delivered, report.recovered), (1, 1));
+    let item = quarantine.get(item.id).await.unwrap().unwrap();
+    assert!(item.recovered_at.is_some());
+    assert_eq!(
+        outbox.entry(&effect).await.unwrap().unwrap().status,
+        EffectStatus::Delivered
+    );
+}
+
+#[tokio::test]
+async fn racing_dispatchers_deliver_every_effect_once() {
+    let app = TestApp::with_pool_size(20).await;
+    let receiver = Receiver::default();
+    let url = receiver.serve().await;
+    let mut effects = Vec::new();
+    for i in 0..60 {
+        effects.push(enqueue_one(&app, &url, &format!("k{i}")).await);
+    }
+    let dispatchers: Vec<_> = (0..3)
+        .map(|_| {
+            let d = dispatcher(&app, Duration::from_secs(10));
+            tokio::spawn(async move { drain(&d).await })
+        })
+        .collect();
+    for d in dispatchers {
+        d.await.unwrap();
+    }
+    let applied = receiver.applied.lock().unwrap().clone();
+    assert_eq!(applied.len(), 60);
+    assert_eq!(receiver.calls(), 60, "no effect delivered twice");
+    let outbox = Outbox::new(app.pool.clone());
+    for effect in &effects {
+        assert_eq!(
+            outbox.entry(effect).await.unwrap().unwrap().status,
+            EffectStatus::Delivered
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_rolled_back_handler_leaves_no_outbox_row_and_conflicts_are_quarantined() {
+    let app = TestApp::new().await;
+    let router = Router::new()
+        .route(
+            "/accounts/{account}/credits",
+            post(|mut tx: InboxTx, body: String| async move {
+                let identity = tx.identity().clone();
+                enqueue(
+                    &mut tx,
+                    &identity,
+                    "webhook",
+                    &OutboxMessage::new("http://127.0.0.1:9/x", "{}"),
+                )
+                .await
+                .unwrap();
+                if body.contains("-1") {
+                    StatusCode::INTERNAL_SERVER_ERROR
+                } else {
+                    StatusCode::CREATED
+                }
+            }),
+        )
+        .layer(
+            InboxLayer::builder(app.pool.clone(), "credits")
+                .producer(TrustedHeader::new("x-producer"))
+                .quarantine_after(2)
+                .build()
+                .unwrap(),
+        );
+    let count = || async {
+        sqlx::query_scalar::<_, i64>("select count(*) from message_outbox")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap()
+    };
+    for _ in 0..2 {
+        let failed = send(&router, credit("a1", Some("bad"), Some("app"), -1)).await;
+        assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    }
+    assert_eq!(count().await, 0);
+    let quarantine = Quarantine::new(app.pool.clone());
+    let open = quarantine.list(QuarantineFilter::Open, 10).await.unwrap();
+    assert_eq!(open.len(), 1);
+    assert_eq!(open[0].source, QuarantineSource::HandlerFailure);
+    assert_eq!(open[0].attempts, 2);
+    assert!(open[0].first_failed_at <= open[0].last_failed_at);
+
+    assert_eq!(
+        send(&router, credit("a1", Some("ok"), Some("app"), 5))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    assert_eq!(count().await, 1);
+    for _ in 0..2 {
+        let conflict = send(&router, credit("a1", Some("ok"), Some("app"), 6)).await;
+        assert_eq!(conflict.problem_type(), "payload-mismatch");
+    }
+    assert_eq!(count().await, 1, "duplicates and conflicts enqueue nothing");
+    let conflicts: Vec<_> = quarantine
+        .list(QuarantineFilter::Open, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|i| i.source == QuarantineSource::IdentityConflict)
+        .collect();
+    assert_eq!(conflicts.len(), 1);
+    assert_eq!(conflicts[0].attempts, 2);
+    assert_eq!(conflicts[0].reason_code, "payload-mismatch");
+    assert_eq!(conflicts[0].message_id.as_deref(), Some("ok"));
+}
