@@ -7,10 +7,14 @@
 //!   -d '{"delta": 10}'
 //! ```
 //!
-//! `BIND_ADDR` (default `127.0.0.1:3000`) and `DATABASE_URL` configure it. Without
+//! `BIND_ADDR` (default `127.0.0.1:3000`) and `DATABASE_URL` configure it. With
+//! `CREDITS_WEBHOOK_URL` set, every first-seen credit also enqueues a webhook effect that an
+//! in-process dispatcher delivers (`CREDITS_WEBHOOK_TIMEOUT_MS`, default 5000). Without
 //! `DATABASE_URL` it uses the local PostgreSQL on 127.0.0.1:5432, or starts a throwaway one
 //! from the local binaries, like the tests.
 
+// Shared with the tests, which use the parts this binary does not.
+#[allow(dead_code)]
 #[path = "credits/app.rs"]
 mod app;
 
@@ -18,6 +22,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use sqlx::postgres::PgPoolOptions;
+use tower_inbox::outbox::{Dispatcher, HttpTransport};
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]
@@ -45,7 +50,33 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         .connect(&database_url)
         .await?;
     app::prepare(&pool).await?;
-    let router = app::router(pool)?;
+
+    let webhook = std::env::var("CREDITS_WEBHOOK_URL").ok();
+    let (stop_dispatcher, dispatcher_stopped) = tokio::sync::oneshot::channel::<()>();
+    let dispatcher = match &webhook {
+        Some(url) => {
+            let timeout_ms: u64 = match std::env::var("CREDITS_WEBHOOK_TIMEOUT_MS") {
+                Ok(v) => v
+                    .parse()
+                    .map_err(|e| format!("CREDITS_WEBHOOK_TIMEOUT_MS: {e}"))?,
+                Err(_) => 5000,
+            };
+            let timeout = Duration::from_millis(timeout_ms);
+            let dispatcher = Dispatcher::builder(pool.clone(), HttpTransport::new(timeout)?)
+                .delivery_timeout(timeout)
+                // A killed process's leases expire well within a minute.
+                .lease(timeout + Duration::from_secs(10))
+                // First retry after 0.5-1 s, doubling up to 30 s.
+                .backoff(Duration::from_secs(1), Duration::from_secs(30))
+                .build()?;
+            tracing::info!(%url, "delivering credit webhooks through the outbox");
+            Some(tokio::spawn(dispatcher.run(async {
+                let _ = dispatcher_stopped.await;
+            })))
+        }
+        None => None,
+    };
+    let router = app::routes_with_webhook(pool.clone(), app::inbox_layer(pool).build()?, webhook);
 
     let listener = tokio::net::TcpListener::bind(bind).await?;
     tracing::info!(address = %listener.local_addr()?, "credits service listening");
@@ -54,5 +85,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             let _ = tokio::signal::ctrl_c().await;
         })
         .await?;
+    if let Some(dispatcher) = dispatcher {
+        let _ = stop_dispatcher.send(());
+        dispatcher.await??;
+    }
     Ok(())
 }

@@ -322,3 +322,67 @@ async fn a_rolled_back_handler_leaves_no_outbox_row_and_conflicts_are_quarantine
     assert_eq!(conflicts[0].reason_code, "payload-mismatch");
     assert_eq!(conflicts[0].message_id.as_deref(), Some("ok"));
 }
+
+#[tokio::test]
+async fn the_credits_example_enqueues_one_webhook_per_command() {
+    let app = TestApp::new().await;
+    let receiver = Receiver::default();
+    let url = receiver.serve().await;
+    let layer = common::credits::inbox_layer(app.pool.clone())
+        .build()
+        .unwrap();
+    let router = common::credits::routes_with_webhook(app.pool.clone(), layer, Some(url));
+    // A dispatcher that polls once an hour: only the commit's NOTIFY can wake it in time.
+    let d = Dispatcher::builder(
+        app.pool.clone(),
+        HttpTransport::new(Duration::from_secs(5)).unwrap(),
+    )
+    .poll_interval(Duration::from_secs(3600))
+    .build()
+    .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(d.run(async {
+        let _ = stopped.await;
+    }));
+    // Let it run its first (empty) round and go to sleep on LISTEN.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        send(&router, credit("a1", Some("k1"), Some("app"), 5))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    assert!(send(&router, credit("a1", Some("k1"), Some("app"), 5))
+        .await
+        .replayed());
+    assert_eq!(
+        send(&router, credit("a1", Some("k1"), Some("app"), 6))
+            .await
+            .status,
+        StatusCode::CONFLICT
+    );
+    let payloads: Vec<Vec<u8>> = sqlx::query_scalar("select payload from message_outbox")
+        .fetch_all(&app.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        payloads.len(),
+        1,
+        "duplicates and conflicts enqueue nothing"
+    );
+    let payload: serde_json::Value = serde_json::from_slice(&payloads[0]).unwrap();
+    assert_eq!(
+        payload,
+        serde_json::json!({"account_id": "a1", "balance": 5, "delta": 5})
+    );
+
+    for _ in 0..400 {
+        if receiver.calls() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(receiver.calls(), 1);
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+}

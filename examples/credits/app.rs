@@ -10,6 +10,9 @@ use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use sqlx::PgPool;
+use std::sync::Arc;
+
+use tower_inbox::outbox::{enqueue, OutboxMessage};
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::{ConfigError, InboxLayer, InboxLayerBuilder, InboxTx};
 
@@ -67,11 +70,27 @@ pub fn inbox_layer(pool: PgPool) -> InboxLayerBuilder {
 
 /// The credit command behind `inbox`, the read beside it.
 pub fn routes(pool: PgPool, inbox: InboxLayer) -> Router {
+    routes_with_webhook(pool, inbox, None)
+}
+
+/// Like [`routes`]; with a webhook URL every first-seen credit also enqueues one outbox
+/// effect to it, in the same transaction.
+pub fn routes_with_webhook(pool: PgPool, inbox: InboxLayer, webhook: Option<String>) -> Router {
+    let state = AppState {
+        pool,
+        webhook: webhook.map(Arc::from),
+    };
     Router::new()
         .route("/accounts/{account_id}/credits", post(credit))
         .route_layer(inbox)
         .route("/accounts/{account_id}", get(account))
-        .with_state(pool)
+        .with_state(state)
+}
+
+#[derive(Clone)]
+struct AppState {
+    pool: PgPool,
+    webhook: Option<Arc<str>>,
 }
 
 #[derive(Deserialize)]
@@ -87,6 +106,7 @@ struct Credited {
 }
 
 async fn credit(
+    State(state): State<AppState>,
     Path(account_id): Path<String>,
     mut tx: InboxTx,
     body: Result<Json<CreditRequest>, JsonRejection>,
@@ -144,10 +164,27 @@ async fn credit(
         balance,
         delta: request.delta,
     };
+    if let Some(url) = &state.webhook {
+        // Never call the webhook here: the effect commits with the credit, and the
+        // dispatcher delivers it later with the effect ID as its idempotency key.
+        let payload = serde_json::to_vec(&body).unwrap_or_default();
+        let message =
+            OutboxMessage::new(url.as_ref(), payload).header("content-type", "application/json");
+        if let Err(e) = enqueue(&mut tx, &identity, "credit-webhook", &message).await {
+            tracing::error!(error = %e, "could not enqueue the webhook");
+            return problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "the credit could not be applied",
+            );
+        }
+    }
     (StatusCode::CREATED, Json(body)).into_response()
 }
 
-async fn account(State(pool): State<PgPool>, Path(account_id): Path<String>) -> Response {
+async fn account(
+    State(AppState { pool, .. }): State<AppState>,
+    Path(account_id): Path<String>,
+) -> Response {
     let balance: Result<Option<i64>, sqlx::Error> =
         sqlx::query_scalar("select balance from credit_account where account_id = $1")
             .bind(&account_id)
