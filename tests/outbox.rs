@@ -386,3 +386,105 @@ async fn the_credits_example_enqueues_one_webhook_per_command() {
     let _ = stop.send(());
     running.await.unwrap().unwrap();
 }
+
+async fn until(mut done: impl FnMut() -> bool) {
+    for _ in 0..400 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("condition not reached in 10 s");
+}
+
+#[tokio::test]
+async fn a_dispatcher_killed_mid_delivery_leaves_a_lease_another_takes_over() {
+    let app = TestApp::new().await;
+    let receiver = Receiver::default();
+    receiver
+        .script
+        .lock()
+        .unwrap()
+        .push((200, Duration::from_secs(30)));
+    let url = receiver.serve().await;
+    let effect = enqueue_one(&app, &url, "k1").await;
+    let a = dispatcher(&app, Duration::from_secs(1));
+    let killed = tokio::spawn(async move { a.dispatch_due().await });
+    until(|| receiver.calls() == 1).await;
+    killed.abort();
+    let _ = killed.await;
+
+    let b = dispatcher(&app, Duration::from_secs(1));
+    assert_eq!(
+        b.dispatch_due().await.unwrap().leased,
+        0,
+        "the lease still holds"
+    );
+    for _ in 0..400 {
+        if b.dispatch_due().await.unwrap().delivered == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let entry = Outbox::new(app.pool.clone())
+        .entry(&effect)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(entry.status, EffectStatus::Delivered);
+    assert_eq!(entry.attempts, 2);
+    assert_eq!(receiver.calls(), 2);
+    assert_eq!(receiver.applied.lock().unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn shutdown_finishes_the_delivery_in_flight_and_releases_the_rest() {
+    let app = TestApp::new().await;
+    let receiver = Receiver::default();
+    receiver
+        .script
+        .lock()
+        .unwrap()
+        .push((200, Duration::from_millis(500)));
+    let url = receiver.serve().await;
+    let first = enqueue_one(&app, &url, "k1").await;
+    let second = enqueue_one(&app, &url, "k2").await;
+    let d = Dispatcher::builder(
+        app.pool.clone(),
+        HttpTransport::new(Duration::from_secs(5)).unwrap(),
+    )
+    .batch_size(2)
+    .concurrency(1)
+    .build()
+    .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(d.run(async {
+        let _ = stopped.await;
+    }));
+    until(|| receiver.calls() == 1).await;
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+
+    assert_eq!(receiver.calls(), 1);
+    let outbox = Outbox::new(app.pool.clone());
+    let delivered: Vec<_> = [&first, &second]
+        .into_iter()
+        .filter(|e| receiver.calls.lock().unwrap().contains(&e.to_string()))
+        .collect();
+    assert_eq!(delivered.len(), 1);
+    for effect in [&first, &second] {
+        let entry = outbox.entry(effect).await.unwrap().unwrap();
+        if delivered.contains(&effect) {
+            assert_eq!(entry.status, EffectStatus::Delivered);
+        } else {
+            assert_eq!(entry.status, EffectStatus::Pending);
+            assert_eq!(entry.attempts, 0, "released unattempted");
+        }
+    }
+    let leased: i64 =
+        sqlx::query_scalar("select count(*) from message_outbox where lease_owner is not null")
+            .fetch_one(&app.pool)
+            .await
+            .unwrap();
+    assert_eq!(leased, 0);
+}
