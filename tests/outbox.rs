@@ -166,12 +166,17 @@ async fn an_ambiguous_timeout_is_retried_with_the_same_key_and_applied_once() {
 async fn a_5xx_then_success_is_delivered() {
     let app = TestApp::new().await;
     let receiver = Receiver::default();
-    receiver.script.lock().unwrap().push((503, Duration::ZERO));
+    // 5xx and 429 are worth retrying; 429 must not count as a permanent 4xx.
+    receiver
+        .script
+        .lock()
+        .unwrap()
+        .extend([(503, Duration::ZERO), (429, Duration::ZERO)]);
     let url = receiver.serve().await;
     let effect = enqueue_one(&app, &url, "k1").await;
     let d = dispatcher(&app, Duration::from_secs(5));
     drain(&d).await;
-    assert_eq!(receiver.calls(), 2);
+    assert_eq!(receiver.calls(), 3);
     let entry = Outbox::new(app.pool.clone())
         .entry(&effect)
         .await
@@ -321,6 +326,39 @@ async fn a_rolled_back_handler_leaves_no_outbox_row_and_conflicts_are_quarantine
     assert_eq!(conflicts[0].attempts, 2);
     assert_eq!(conflicts[0].reason_code, "payload-mismatch");
     assert_eq!(conflicts[0].message_id.as_deref(), Some("ok"));
+
+    // A person discards the conflict; it leaves the open list with the decision kept.
+    quarantine
+        .discard(conflicts[0].id, "oncall", "client bug, told them")
+        .await
+        .unwrap();
+    let decided = quarantine.get(conflicts[0].id).await.unwrap().unwrap();
+    assert_eq!(
+        decided.decision,
+        Some(tower_inbox::quarantine::Decision::Discard)
+    );
+    assert_eq!(decided.decided_by.as_deref(), Some("oncall"));
+    assert!(decided.decided_at.is_some() && decided.recovered_at.is_none());
+
+    // The failing command finally commits: its quarantine item counts as recovered.
+    let failing = open[0].id;
+    assert_eq!(
+        send(&router, credit("a1", Some("bad"), Some("app"), 7))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    let recovered = quarantine.get(failing).await.unwrap().unwrap();
+    assert!(recovered.recovered_at.is_some());
+    assert_eq!(
+        recovered.decision,
+        Some(tower_inbox::quarantine::Decision::Repair)
+    );
+    assert!(quarantine
+        .list(QuarantineFilter::Open, 10)
+        .await
+        .unwrap()
+        .is_empty());
 }
 
 #[tokio::test]
