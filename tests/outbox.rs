@@ -28,6 +28,13 @@ struct Receiver {
 }
 
 impl Receiver {
+    /// A receiver that answers `steps` in turn (status, stall after applying), then 200.
+    fn scripted(steps: impl IntoIterator<Item = (u16, Duration)>) -> Self {
+        let receiver = Self::default();
+        receiver.script.lock().unwrap().extend(steps);
+        receiver
+    }
+
     async fn serve(&self) -> String {
         let receiver = self.clone();
         let router = Router::new().route(
@@ -109,6 +116,20 @@ async fn enqueue_one(app: &TestApp, url: &str, key: &str) -> EffectId {
     enqueued.effect_id
 }
 
+/// Runs `d` in a task until the returned sender fires (or is dropped).
+fn spawn_run(
+    d: Dispatcher<HttpTransport>,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<Result<(), tower_inbox::InboxError>>,
+) {
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(d.run(async {
+        let _ = stopped.await;
+    }));
+    (stop, running)
+}
+
 /// Runs rounds until nothing is due (bounded); sleeps past short backoffs.
 async fn drain(d: &Dispatcher<HttpTransport>) {
     for _ in 0..50 {
@@ -125,13 +146,8 @@ async fn drain(d: &Dispatcher<HttpTransport>) {
 #[tokio::test]
 async fn an_ambiguous_timeout_is_retried_with_the_same_key_and_applied_once() {
     let app = TestApp::new().await;
-    let receiver = Receiver::default();
     // Applies the effect, then answers too late.
-    receiver
-        .script
-        .lock()
-        .unwrap()
-        .push((200, Duration::from_secs(2)));
+    let receiver = Receiver::scripted([(200, Duration::from_secs(2))]);
     let url = receiver.serve().await;
     let effect = enqueue_one(&app, &url, "k1").await;
     let d = dispatcher(&app, Duration::from_millis(300));
@@ -165,13 +181,8 @@ async fn an_ambiguous_timeout_is_retried_with_the_same_key_and_applied_once() {
 #[tokio::test]
 async fn a_5xx_then_success_is_delivered() {
     let app = TestApp::new().await;
-    let receiver = Receiver::default();
     // 5xx and 429 are worth retrying; 429 must not count as a permanent 4xx.
-    receiver
-        .script
-        .lock()
-        .unwrap()
-        .extend([(503, Duration::ZERO), (429, Duration::ZERO)]);
+    let receiver = Receiver::scripted([(503, Duration::ZERO), (429, Duration::ZERO)]);
     let url = receiver.serve().await;
     let effect = enqueue_one(&app, &url, "k1").await;
     let d = dispatcher(&app, Duration::from_secs(5));
@@ -188,8 +199,7 @@ async fn a_5xx_then_success_is_delivered() {
 #[tokio::test]
 async fn a_permanent_4xx_goes_dead_then_repair_delivers_and_counts_recovered() {
     let app = TestApp::new().await;
-    let receiver = Receiver::default();
-    receiver.script.lock().unwrap().push((404, Duration::ZERO));
+    let receiver = Receiver::scripted([(404, Duration::ZERO)]);
     let url = receiver.serve().await;
     let effect = enqueue_one(&app, &url, "k1").await;
     let d = dispatcher(&app, Duration::from_secs(5));
@@ -378,10 +388,7 @@ async fn the_credits_example_enqueues_one_webhook_per_command() {
     .poll_interval(Duration::from_secs(3600))
     .build()
     .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(d.run(async {
-        let _ = stopped.await;
-    }));
+    let (stop, running) = spawn_run(d);
     // Let it run its first (empty) round and go to sleep on LISTEN.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
@@ -438,12 +445,7 @@ async fn until(mut done: impl FnMut() -> bool) {
 #[tokio::test]
 async fn a_dispatcher_killed_mid_delivery_leaves_a_lease_another_takes_over() {
     let app = TestApp::new().await;
-    let receiver = Receiver::default();
-    receiver
-        .script
-        .lock()
-        .unwrap()
-        .push((200, Duration::from_secs(30)));
+    let receiver = Receiver::scripted([(200, Duration::from_secs(30))]);
     let url = receiver.serve().await;
     let effect = enqueue_one(&app, &url, "k1").await;
     let a = dispatcher(&app, Duration::from_secs(1));
@@ -478,12 +480,7 @@ async fn a_dispatcher_killed_mid_delivery_leaves_a_lease_another_takes_over() {
 #[tokio::test]
 async fn shutdown_finishes_the_delivery_in_flight_and_releases_the_rest() {
     let app = TestApp::new().await;
-    let receiver = Receiver::default();
-    receiver
-        .script
-        .lock()
-        .unwrap()
-        .push((200, Duration::from_millis(500)));
+    let receiver = Receiver::scripted([(200, Duration::from_millis(500))]);
     let url = receiver.serve().await;
     let first = enqueue_one(&app, &url, "k1").await;
     let second = enqueue_one(&app, &url, "k2").await;
@@ -495,10 +492,7 @@ async fn shutdown_finishes_the_delivery_in_flight_and_releases_the_rest() {
     .concurrency(1)
     .build()
     .unwrap();
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(d.run(async {
-        let _ = stopped.await;
-    }));
+    let (stop, running) = spawn_run(d);
     until(|| receiver.calls() == 1).await;
     let _ = stop.send(());
     running.await.unwrap().unwrap();
