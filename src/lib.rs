@@ -45,12 +45,14 @@ mod fingerprint;
 mod identity;
 pub mod inbox;
 mod key;
+pub mod metrics;
 pub mod middleware;
 pub mod outbox;
 mod outcome;
 pub mod problem;
 pub mod producer;
 pub mod quarantine;
+pub mod replay;
 
 pub use extract::InboxTx;
 pub use fingerprint::{CommandPayload, Fingerprint, FingerprintStrategy};

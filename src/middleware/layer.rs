@@ -12,6 +12,7 @@ use crate::inbox::Inbox;
 use crate::key::MAX_KEY_LEN;
 use crate::outcome::OutcomePolicy;
 use crate::producer::ProducerScope;
+use crate::replay::ReplayPolicy;
 
 /// The header the command ID is read from by default.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -79,6 +80,7 @@ impl InboxLayer {
             handler_version: "1".to_owned(),
             fingerprint: FingerprintStrategy::default(),
             quarantine_after: 3,
+            replay_policy: ReplayPolicy::default(),
         }
     }
 }
@@ -114,8 +116,9 @@ pub enum ConfigError {
     /// The consumer name is empty or too long.
     #[error("the consumer name must be 1 to 255 bytes without control characters")]
     BadConsumerName,
-    /// The handler version is empty or too long.
-    #[error("the handler version must be 1 to 255 bytes without control characters")]
+    /// The handler version is empty or too long, or contains `@` under
+    /// [`ReplayPolicy::VersionedProjection`].
+    #[error("the handler version must be 1 to 255 bytes without control characters (and without '@' for a versioned projection)")]
     BadHandlerVersion,
     /// A limit is zero, or the key limit is over 255.
     #[error("bad limit: {0}")]
@@ -159,9 +162,17 @@ pub struct InboxLayerBuilder {
     handler_version: String,
     fingerprint: FingerprintStrategy,
     quarantine_after: u32,
+    replay_policy: ReplayPolicy,
 }
 
 impl InboxLayerBuilder {
+    /// What a new handler version does with messages an older one processed (default
+    /// [`ReplayPolicy::NoReapplication`]). See [`crate::replay`].
+    pub fn replay_policy(mut self, policy: ReplayPolicy) -> Self {
+        self.replay_policy = policy;
+        self
+    }
+
     /// After how many rolled-back attempts (5xx, panic, client gone) a command also gets an
     /// open [quarantine](crate::quarantine) item (default 3). Every attempt is counted in
     /// `consumer_inbox_failure` regardless.
@@ -262,11 +273,16 @@ impl InboxLayerBuilder {
     /// Checks the settings and builds the layer.
     pub fn build(self) -> Result<InboxLayer, ConfigError> {
         let producer = self.producer.ok_or(ConfigError::NoProducerScope)?;
-        if !is_name(&self.consumer) {
-            return Err(ConfigError::BadConsumerName);
-        }
-        if !is_name(&self.handler_version) {
+        if !is_name(&self.handler_version)
+            || !self.replay_policy.accepts_version(&self.handler_version)
+        {
             return Err(ConfigError::BadHandlerVersion);
+        }
+        let consumer = self
+            .replay_policy
+            .consumer_name(&self.consumer, &self.handler_version);
+        if !is_name(&consumer) {
+            return Err(ConfigError::BadConsumerName);
         }
         if self.max_key_len == 0 || self.max_key_len > MAX_KEY_LEN {
             return Err(ConfigError::BadLimit("max_key_len must be 1 to 255"));
@@ -296,7 +312,7 @@ impl InboxLayerBuilder {
         Ok(InboxLayer {
             config: Arc::new(InboxConfig {
                 inbox: Inbox::new(self.pool),
-                consumer: self.consumer.into(),
+                consumer: consumer.into(),
                 producer,
                 producer_missing_status: self.producer_missing_status,
                 guarded_methods: self.guarded_methods,

@@ -1,0 +1,410 @@
+//! Metrics through the [`metrics`](https://docs.rs/metrics) facade.
+//!
+//! Install any recorder (Prometheus, StatsD, OpenTelemetry, ...) and the layer, the protocol
+//! core, the dispatcher, the quarantine and the retention purge report through it. Call
+//! [`describe`] once after installing it to register units and help texts. With no recorder
+//! installed every call is a no-op.
+//!
+//! Every name begins with `inbox_`, `outbox_` or `quarantine_`, and every label set is
+//! bounded: consumer names, effect names, quarantine sources, table names and stable reason
+//! codes come from code and configuration, never from requests. The producer label is off by
+//! default (see [`MetricLabels`]) because producers can be many, one per client.
+//!
+//! [`METRICS`] lists every metric with its kind, labels and meaning; the README's reference
+//! table is checked against it by a test.
+//!
+//! A sudden drop of [`DUPLICATES`] to zero can mean the producers got better, or that they
+//! stopped sending keys: [`KEY_MISSING`] counts the second case, so both can be watched.
+
+use ::metrics::{counter, gauge, histogram, Label, Unit};
+
+use crate::identity::MessageIdentity;
+
+/// Commands (or messages) committed for the first time: claim, business change and record.
+pub const FIRST_SEEN: &str = "inbox_first_seen_total";
+/// Duplicates answered from the record (a replay), without running the handler.
+pub const DUPLICATES: &str = "inbox_duplicates_total";
+/// Keys reused with a different payload fingerprint.
+pub const IDENTITY_CONFLICTS: &str = "inbox_identity_conflicts_total";
+/// Duplicates refused because the original was still in flight after the wait.
+pub const IN_PROGRESS: &str = "inbox_in_progress_total";
+/// Guarded requests that came without a key, refused or (with an optional key) passed
+/// through unprotected.
+pub const KEY_MISSING: &str = "inbox_key_missing_total";
+/// Guarded requests refused before any claim, by problem type.
+pub const REQUESTS_REFUSED: &str = "inbox_requests_refused_total";
+/// Transactions rolled back and re-run after a serialization failure or deadlock, or at the
+/// handler's request.
+pub const TRANSACTION_RETRIES: &str = "inbox_transaction_retries_total";
+/// The time the claim statement took, waiting on an in-flight original's lock included.
+pub const CLAIM_WAIT: &str = "inbox_claim_wait_seconds";
+/// Attempts that rolled back and were counted as failed, by stable reason code.
+pub const HANDLER_FAILURES: &str = "inbox_handler_failures_total";
+/// Errors of the inbox's own database work, by kind.
+pub const DATABASE_ERRORS: &str = "inbox_database_errors_total";
+/// First-seen messages refused by the retention guard: older than the window, so the inbox
+/// may have forgotten them.
+pub const EXPIRED: &str = "inbox_expired_total";
+/// Inbox rows, per consumer (the stats task).
+pub const INBOX_ROWS: &str = "inbox_rows";
+/// Age of the oldest inbox row, per consumer (the stats task).
+pub const INBOX_OLDEST_AGE: &str = "inbox_oldest_row_age_seconds";
+/// On-disk size of the inbox table with its indexes and TOAST (the stats task).
+pub const INBOX_TABLE_BYTES: &str = "inbox_table_bytes";
+/// Rows deleted by the retention purge, by table.
+pub const INBOX_PURGED: &str = "inbox_purged_rows_total";
+/// Effects committed and not yet delivered or dead (the stats task).
+pub const OUTBOX_PENDING: &str = "outbox_pending";
+/// Age of the oldest pending effect (the stats task).
+pub const OUTBOX_OLDEST_PENDING_AGE: &str = "outbox_oldest_pending_age_seconds";
+/// Delivery attempts, by outcome.
+pub const OUTBOX_DELIVERIES: &str = "outbox_deliveries_total";
+/// Effects moved to dead letters, by reason code.
+pub const OUTBOX_DEAD_LETTERS: &str = "outbox_dead_letters_total";
+/// Delivered or dead outbox rows deleted by the retention purge.
+pub const OUTBOX_PURGED: &str = "outbox_purged_rows_total";
+/// Items moved to the quarantine (opened), by source.
+pub const QUARANTINE_MOVES: &str = "quarantine_moves_total";
+/// Quarantined items recovered by a later success, by source.
+pub const QUARANTINE_RECOVERIES: &str = "quarantine_recoveries_total";
+/// Quarantined items with no decision yet, by source (the stats task).
+pub const QUARANTINE_OPEN: &str = "quarantine_open";
+/// Decided quarantine items deleted by the retention purge.
+pub const QUARANTINE_PURGED: &str = "quarantine_purged_rows_total";
+
+/// What kind of metric a name is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricKind {
+    /// Only goes up.
+    Counter,
+    /// A current value.
+    Gauge,
+    /// A distribution of observations.
+    Histogram,
+}
+
+/// One metric: name, kind, labels and meaning.
+#[derive(Debug, Clone, Copy)]
+pub struct MetricInfo {
+    /// The name as recorded.
+    pub name: &'static str,
+    /// Counter, gauge or histogram.
+    pub kind: MetricKind,
+    /// The labels it carries (`producer` only when [`MetricLabels`] asks for it).
+    pub labels: &'static [&'static str],
+    /// The unit.
+    pub unit: Unit,
+    /// What it counts.
+    pub description: &'static str,
+}
+
+const fn info(
+    name: &'static str,
+    kind: MetricKind,
+    labels: &'static [&'static str],
+    unit: Unit,
+    description: &'static str,
+) -> MetricInfo {
+    MetricInfo {
+        name,
+        kind,
+        labels,
+        unit,
+        description,
+    }
+}
+
+use MetricKind::{Counter, Gauge, Histogram};
+
+const IDENTITY: &[&str] = &["consumer", "producer"];
+
+/// Every metric this crate records.
+pub const METRICS: &[MetricInfo] = &[
+    info(
+        FIRST_SEEN,
+        Counter,
+        IDENTITY,
+        Unit::Count,
+        "commands committed for the first time (claim, business change and recorded response)",
+    ),
+    info(
+        DUPLICATES,
+        Counter,
+        IDENTITY,
+        Unit::Count,
+        "duplicates answered from the record without running the handler",
+    ),
+    info(
+        IDENTITY_CONFLICTS,
+        Counter,
+        IDENTITY,
+        Unit::Count,
+        "keys reused with a different payload fingerprint",
+    ),
+    info(
+        IN_PROGRESS,
+        Counter,
+        IDENTITY,
+        Unit::Count,
+        "duplicates refused because the original was still in flight after the wait",
+    ),
+    info(
+        KEY_MISSING,
+        Counter,
+        &["consumer", "action"],
+        Unit::Count,
+        "guarded requests without a key: action=refused, or passed (optional key, unprotected)",
+    ),
+    info(
+        REQUESTS_REFUSED,
+        Counter,
+        &["consumer", "reason"],
+        Unit::Count,
+        "guarded requests refused before any claim, by problem type",
+    ),
+    info(
+        TRANSACTION_RETRIES,
+        Counter,
+        &["consumer", "reason"],
+        Unit::Count,
+        "transactions rolled back and re-run: reason=serialization-failure, deadlock or requested",
+    ),
+    info(
+        CLAIM_WAIT,
+        Histogram,
+        &["consumer"],
+        Unit::Seconds,
+        "time the claim statement took, waiting on an in-flight original's lock included",
+    ),
+    info(
+        HANDLER_FAILURES,
+        Counter,
+        &["consumer", "reason"],
+        Unit::Count,
+        "attempts rolled back and counted as failed, by stable reason code",
+    ),
+    info(
+        DATABASE_ERRORS,
+        Counter,
+        &["consumer", "kind"],
+        Unit::Count,
+        "errors of the inbox's own database work: kind=unavailable, transient or internal",
+    ),
+    info(
+        EXPIRED,
+        Counter,
+        &["consumer"],
+        Unit::Count,
+        "first-seen messages older than the retention window, refused by the guard",
+    ),
+    info(
+        INBOX_ROWS,
+        Gauge,
+        &["consumer"],
+        Unit::Count,
+        "inbox rows per consumer (stats task)",
+    ),
+    info(
+        INBOX_OLDEST_AGE,
+        Gauge,
+        &["consumer"],
+        Unit::Seconds,
+        "age of the oldest inbox row per consumer (stats task)",
+    ),
+    info(
+        INBOX_TABLE_BYTES,
+        Gauge,
+        &[],
+        Unit::Bytes,
+        "on-disk size of consumer_inbox with indexes and TOAST (stats task)",
+    ),
+    info(
+        INBOX_PURGED,
+        Counter,
+        &["table"],
+        Unit::Count,
+        "inbox and failure rows deleted by the retention purge",
+    ),
+    info(
+        OUTBOX_PENDING,
+        Gauge,
+        &[],
+        Unit::Count,
+        "effects committed and not yet delivered or dead (stats task)",
+    ),
+    info(
+        OUTBOX_OLDEST_PENDING_AGE,
+        Gauge,
+        &[],
+        Unit::Seconds,
+        "age of the oldest pending effect (stats task)",
+    ),
+    info(
+        OUTBOX_DELIVERIES,
+        Counter,
+        &["effect", "outcome"],
+        Unit::Count,
+        "delivery attempts: outcome=delivered, retry, dead, unrecorded or released",
+    ),
+    info(
+        OUTBOX_DEAD_LETTERS,
+        Counter,
+        &["effect", "reason"],
+        Unit::Count,
+        "effects moved to dead letters, by reason code",
+    ),
+    info(
+        OUTBOX_PURGED,
+        Counter,
+        &[],
+        Unit::Count,
+        "delivered or dead outbox rows deleted by the retention purge",
+    ),
+    info(
+        QUARANTINE_MOVES,
+        Counter,
+        &["source"],
+        Unit::Count,
+        "items moved to the quarantine (opened), by source",
+    ),
+    info(
+        QUARANTINE_RECOVERIES,
+        Counter,
+        &["source"],
+        Unit::Count,
+        "quarantined items recovered by a later success, by source",
+    ),
+    info(
+        QUARANTINE_OPEN,
+        Gauge,
+        &["source"],
+        Unit::Count,
+        "quarantined items with no decision yet (stats task)",
+    ),
+    info(
+        QUARANTINE_PURGED,
+        Counter,
+        &[],
+        Unit::Count,
+        "decided quarantine items deleted by the retention purge",
+    ),
+];
+
+/// Registers the unit and help text of every metric in [`METRICS`] with the installed
+/// recorder. Call it once, after installing the recorder.
+pub fn describe() {
+    for m in METRICS {
+        match m.kind {
+            Counter => ::metrics::describe_counter!(m.name, m.unit, m.description),
+            Gauge => ::metrics::describe_gauge!(m.name, m.unit, m.description),
+            Histogram => ::metrics::describe_histogram!(m.name, m.unit, m.description),
+        }
+    }
+}
+
+/// Which identity labels the per-message metrics carry.
+///
+/// The consumer label is on by default: consumers are few and named in code. The producer
+/// label is off by default: with one producer per authenticated client it would make one
+/// time series per client. Turn it on where producers are a handful of services.
+///
+/// ```
+/// use tower_inbox::metrics::MetricLabels;
+/// assert_eq!(MetricLabels::default(), MetricLabels::consumer());
+/// let both = MetricLabels::consumer().with_producer(true);
+/// assert!(both.has_producer());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricLabels {
+    consumer: bool,
+    producer: bool,
+}
+
+impl Default for MetricLabels {
+    fn default() -> Self {
+        Self::consumer()
+    }
+}
+
+impl MetricLabels {
+    /// The consumer label only (the default).
+    pub const fn consumer() -> Self {
+        Self {
+            consumer: true,
+            producer: false,
+        }
+    }
+
+    /// No identity labels at all: one series per metric.
+    pub const fn none() -> Self {
+        Self {
+            consumer: false,
+            producer: false,
+        }
+    }
+
+    /// Adds or removes the producer label.
+    pub const fn with_producer(mut self, on: bool) -> Self {
+        self.producer = on;
+        self
+    }
+
+    /// Adds or removes the consumer label.
+    pub const fn with_consumer(mut self, on: bool) -> Self {
+        self.consumer = on;
+        self
+    }
+
+    /// Whether the producer label is recorded.
+    pub const fn has_producer(self) -> bool {
+        self.producer
+    }
+
+    /// Whether the consumer label is recorded.
+    pub const fn has_consumer(self) -> bool {
+        self.consumer
+    }
+
+    /// The labels of a message: consumer and, if asked for, producer.
+    pub(crate) fn of(self, identity: &MessageIdentity) -> Vec<Label> {
+        let mut labels = self.of_consumer(identity.consumer());
+        if self.producer {
+            labels.push(Label::new(
+                "producer",
+                identity.producer().name().to_owned(),
+            ));
+        }
+        labels
+    }
+
+    /// The labels of a consumer-level metric.
+    pub(crate) fn of_consumer(self, consumer: &str) -> Vec<Label> {
+        let mut labels = Vec::with_capacity(2);
+        if self.consumer {
+            labels.push(Label::new("consumer", consumer.to_owned()));
+        }
+        labels
+    }
+}
+
+/// Adds one to a counter with the given labels and one more `key=value`.
+pub(crate) fn count_with(name: &'static str, labels: &[Label], key: &'static str, value: &str) {
+    let mut all = labels.to_vec();
+    all.push(Label::new(key, value.to_owned()));
+    counter!(name, all).increment(1);
+}
+
+/// Adds `n` to a counter with the given labels.
+pub(crate) fn count(name: &'static str, labels: &[Label], n: u64) {
+    counter!(name, labels.iter()).increment(n);
+}
+
+/// Records one observation of a histogram, in seconds.
+pub(crate) fn observe_seconds(name: &'static str, labels: &[Label], seconds: f64) {
+    histogram!(name, labels.iter()).record(seconds);
+}
+
+/// Sets a gauge.
+pub(crate) fn set(name: &'static str, labels: &[Label], value: f64) {
+    gauge!(name, labels.iter()).set(value);
+}
