@@ -53,6 +53,7 @@ pub mod problem;
 pub mod producer;
 pub mod quarantine;
 pub mod replay;
+mod retry;
 
 pub use extract::InboxTx;
 pub use fingerprint::{CommandPayload, Fingerprint, FingerprintStrategy};
@@ -64,6 +65,7 @@ pub use key::{KeyError, MessageKey, MAX_KEY_LEN};
 pub use middleware::{ConfigError, InboxLayer, InboxLayerBuilder, InboxService};
 pub use outcome::{Outcome, OutcomePolicy, DEFAULT_REJECTIONS};
 pub use producer::ProducerScope;
+pub use retry::TransientRetry;
 
 /// Compiles the README's code examples as doctests.
 #[doc = include_str!("../README.md")]

@@ -1,0 +1,63 @@
+//! Bounded re-runs of a transaction after a transient failure.
+
+use std::time::Duration;
+
+/// How often, and how far apart, a transaction is re-run after a serialization failure
+/// (`40001`) or a deadlock (`40P01`).
+///
+/// Each re-run starts a new transaction from scratch. The delay before re-run `n` (from 1)
+/// is drawn between half and all of `base * 2^(n-1)`, capped at `cap`, so transactions that
+/// collided do not collide again in lockstep.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_inbox::TransientRetry;
+///
+/// let retry = TransientRetry::new(4, Duration::from_millis(10), Duration::from_millis(100));
+/// assert_eq!(retry.max_attempts(), 4);
+/// let d = retry.delay(3);
+/// assert!(d >= Duration::from_millis(20) && d <= Duration::from_millis(40));
+/// assert_eq!(TransientRetry::never().max_attempts(), 1);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TransientRetry {
+    max_attempts: u32,
+    base: Duration,
+    cap: Duration,
+}
+
+impl Default for TransientRetry {
+    /// Three attempts in all, re-run after 5–10 ms and then 10–20 ms.
+    fn default() -> Self {
+        Self::new(3, Duration::from_millis(10), Duration::from_millis(250))
+    }
+}
+
+impl TransientRetry {
+    /// At most `max_attempts` attempts in all (at least 1), backing off from `base` up to
+    /// `cap`.
+    pub fn new(max_attempts: u32, base: Duration, cap: Duration) -> Self {
+        Self {
+            max_attempts: max_attempts.max(1),
+            base,
+            cap: cap.max(base),
+        }
+    }
+
+    /// One attempt, no re-run.
+    pub fn never() -> Self {
+        Self::new(1, Duration::ZERO, Duration::ZERO)
+    }
+
+    /// The most attempts, the first included.
+    pub fn max_attempts(&self) -> u32 {
+        self.max_attempts
+    }
+
+    /// The delay before re-run `rerun` (1 for the first re-run), with jitter.
+    pub fn delay(&self, rerun: u32) -> Duration {
+        let doublings = rerun.saturating_sub(1).min(20);
+        let full = self.base.saturating_mul(1 << doublings).min(self.cap);
+        full.mul_f64(0.5 + fastrand::f64() * 0.5)
+    }
+}
