@@ -9,7 +9,9 @@
 //!
 //! `BIND_ADDR` (default `127.0.0.1:3000`) and `DATABASE_URL` configure it. With
 //! `CREDITS_WEBHOOK_URL` set, every first-seen credit also enqueues a webhook effect that an
-//! in-process dispatcher delivers (`CREDITS_WEBHOOK_TIMEOUT_MS`, default 5000). Without
+//! in-process dispatcher delivers (`CREDITS_WEBHOOK_TIMEOUT_MS`, default 5000). `GET /metrics`
+//! serves every metric in the Prometheus text format; a stats task refreshes the inbox,
+//! outbox and quarantine gauges every 15 s. Without
 //! `DATABASE_URL` it uses the local PostgreSQL on 127.0.0.1:5432, or starts a throwaway one
 //! from the local binaries, like the tests.
 
@@ -22,6 +24,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use sqlx::postgres::PgPoolOptions;
+use tower_inbox::metrics::StatsTask;
 use tower_inbox::outbox::{Dispatcher, HttpTransport};
 use tracing_subscriber::EnvFilter;
 
@@ -76,7 +79,25 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         }
         None => None,
     };
-    let router = app::routes_with_webhook(pool.clone(), app::inbox_layer(pool).build()?, webhook);
+    let router = app::routes_with_webhook(
+        pool.clone(),
+        app::inbox_layer(pool.clone()).build()?,
+        webhook,
+    );
+
+    // GET /metrics in the Prometheus text format; the exporter's upkeep drains histograms.
+    let prometheus = app::install_prometheus()?;
+    let router = app::with_metrics_route(router, prometheus.clone());
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            prometheus.run_upkeep();
+        }
+    });
+    // Inbox size and age, outbox backlog and open quarantine items, every 15 s.
+    tokio::spawn(
+        StatsTask::new(pool.clone()).run(Duration::from_secs(15), std::future::pending::<()>()),
+    );
 
     let listener = tokio::net::TcpListener::bind(bind).await?;
     tracing::info!(address = %listener.local_addr()?, "credits service listening");

@@ -59,7 +59,8 @@ pub use extract::InboxTx;
 pub use fingerprint::{CommandPayload, Fingerprint, FingerprintStrategy};
 pub use identity::{MessageIdentity, Producer, ProducerError, MAX_SCOPE_LEN};
 pub use inbox::{
-    migrate, Claim, ClaimedMessage, Inbox, InboxEntry, InboxError, RecordedResponse, MIGRATOR,
+    migrate, Claim, ClaimedMessage, Inbox, InboxEntry, InboxError, IsolationLevel,
+    RecordedResponse, RetryReason, MIGRATOR,
 };
 pub use key::{KeyError, MessageKey, MAX_KEY_LEN};
 pub use middleware::{ConfigError, InboxLayer, InboxLayerBuilder, InboxService};

@@ -16,9 +16,13 @@
 //! A sudden drop of [`DUPLICATES`] to zero can mean the producers got better, or that they
 //! stopped sending keys: [`KEY_MISSING`] counts the second case, so both can be watched.
 
+mod stats;
+
 use ::metrics::{counter, gauge, histogram, Label, Unit};
 
 use crate::identity::MessageIdentity;
+
+pub use stats::{ConsumerStats, Stats, StatsTask};
 
 /// Commands (or messages) committed for the first time: claim, business change and record.
 pub const FIRST_SEEN: &str = "inbox_first_seen_total";

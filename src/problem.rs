@@ -33,6 +33,11 @@
 //! nothing was committed, or the outcome of the commit is unknown. Retrying with the same key
 //! is safe either way.
 //!
+//! ### transaction-conflict
+//! `503` with `Retry-After`. The transaction kept failing with serialization failures or
+//! deadlocks against concurrent transactions, and the configured re-runs ran out. Nothing was
+//! committed; retrying with the same key is safe.
+//!
 //! ### layer-missing
 //! `500`. A handler asked for the inbox transaction on a request the inbox layer did not
 //! claim: the layer is not installed on this route, the method is not guarded, or the key was
@@ -89,6 +94,8 @@ pub enum ProblemKind {
     InProgress,
     /// See [the module docs](self#unavailable).
     Unavailable,
+    /// See [the module docs](self#transaction-conflict).
+    TransactionConflict,
     /// See [the module docs](self#layer-missing).
     LayerMissing,
     /// See [the module docs](self#transaction-in-use).
@@ -117,6 +124,7 @@ impl ProblemKind {
             Self::PayloadMismatch => "payload-mismatch",
             Self::InProgress => "in-progress",
             Self::Unavailable => "unavailable",
+            Self::TransactionConflict => "transaction-conflict",
             Self::LayerMissing => "layer-missing",
             Self::TransactionInUse => "transaction-in-use",
             Self::TransactionLeaked => "transaction-leaked",
@@ -142,6 +150,7 @@ impl ProblemKind {
             Self::PayloadMismatch => "Idempotency key reused with a different payload",
             Self::InProgress => "Original request still in progress",
             Self::Unavailable => "Service temporarily unavailable",
+            Self::TransactionConflict => "Transaction conflicted with concurrent ones",
             Self::LayerMissing => "Inbox transaction not available",
             Self::TransactionInUse => "Inbox transaction already taken",
             Self::TransactionLeaked => "Inbox transaction outlived the handler",
@@ -158,7 +167,7 @@ impl ProblemKind {
             Self::ProducerMissing => StatusCode::UNAUTHORIZED,
             Self::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::PayloadMismatch | Self::InProgress => StatusCode::CONFLICT,
-            Self::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Unavailable | Self::TransactionConflict => StatusCode::SERVICE_UNAVAILABLE,
             Self::LayerMissing
             | Self::TransactionInUse
             | Self::TransactionLeaked

@@ -51,6 +51,13 @@ pub enum QuarantineSource {
 }
 
 impl QuarantineSource {
+    /// Every source.
+    pub const ALL: &'static [Self] = &[
+        Self::IdentityConflict,
+        Self::HandlerFailure,
+        Self::DeadEffect,
+    ];
+
     /// The stored name, also a metric label.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -66,13 +73,7 @@ impl QuarantineSource {
     }
 
     fn parse(s: &str) -> Option<Self> {
-        [
-            Self::IdentityConflict,
-            Self::HandlerFailure,
-            Self::DeadEffect,
-        ]
-        .into_iter()
-        .find(|v| v.as_str() == s)
+        Self::ALL.iter().copied().find(|v| v.as_str() == s)
     }
 }
 

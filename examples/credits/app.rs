@@ -12,6 +12,7 @@ use serde_json::json;
 use sqlx::PgPool;
 use std::sync::Arc;
 
+use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 use tower_inbox::outbox::{enqueue, OutboxMessage};
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::{ConfigError, InboxLayer, InboxLayerBuilder, InboxTx};
@@ -85,6 +86,40 @@ pub fn routes_with_webhook(pool: PgPool, inbox: InboxLayer, webhook: Option<Stri
         .route_layer(inbox)
         .route("/accounts/{account_id}", get(account))
         .with_state(state)
+}
+
+/// Installs a Prometheus recorder as the process's `metrics` recorder and describes the
+/// crate's metrics. The claim wait gets real histogram buckets (the others keep the
+/// exporter's default summaries). Once per process: a second install fails.
+pub fn install_prometheus() -> Result<PrometheusHandle, BuildError> {
+    let claim_wait = Matcher::Full(tower_inbox::metrics::CLAIM_WAIT.to_owned());
+    let buckets = [
+        0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    ];
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(claim_wait, &buckets)?
+        .install_recorder()?;
+    tower_inbox::metrics::describe();
+    Ok(handle)
+}
+
+/// Adds `GET /metrics`: every recorded metric in the Prometheus text format.
+pub fn with_metrics_route(router: Router, handle: PrometheusHandle) -> Router {
+    router.route(
+        "/metrics",
+        get(move || {
+            let text = handle.render();
+            async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "text/plain; version=0.0.4; charset=utf-8",
+                    )],
+                    text,
+                )
+            }
+        }),
+    )
 }
 
 #[derive(Clone)]

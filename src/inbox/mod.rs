@@ -29,17 +29,20 @@
 //! # Ok(()) }
 //! ```
 
+mod executor;
 mod sql;
 
 use std::ops::{Deref, DerefMut};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use sqlx::postgres::{PgConnection, PgPool, PgRow};
 use sqlx::{Postgres, Row, Transaction};
+use tracing::Instrument;
 
 use crate::fingerprint::Fingerprint;
 use crate::identity::MessageIdentity;
+use crate::metrics::{self as m, MetricLabels};
 use crate::quarantine::{identity_item_key, QuarantineSource};
 
 /// The embedded migrations that create the inbox tables and the claim function.
@@ -104,6 +107,95 @@ impl InboxError {
     pub fn is_retryable(&self) -> bool {
         matches!(self, Self::Unavailable(_) | Self::Transient(_))
     }
+
+    /// The kind, as a stable metric label.
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::Unavailable(_) => "unavailable",
+            Self::Transient(_) => "transient",
+            Self::Database(_) => "internal",
+        }
+    }
+
+    /// Why the transaction should be re-run, for a serialization failure or a deadlock.
+    pub fn retry_reason(&self) -> Option<RetryReason> {
+        match self {
+            Self::Transient(err) => RetryReason::of(err),
+            _ => None,
+        }
+    }
+}
+
+/// Why a transaction is rolled back and re-run from the start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RetryReason {
+    /// `40001`: the transaction could not be serialized with a concurrent one.
+    SerializationFailure,
+    /// `40P01`: the transaction was chosen as the victim of a deadlock.
+    Deadlock,
+    /// The handler asked for it ([`ClaimedMessage::request_retry`]).
+    Requested,
+}
+
+impl RetryReason {
+    /// The stable name, also a metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::SerializationFailure => "serialization-failure",
+            Self::Deadlock => "deadlock",
+            Self::Requested => "requested",
+        }
+    }
+
+    /// The reason a database error calls for a re-run, if it does.
+    ///
+    /// ```
+    /// use tower_inbox::RetryReason;
+    /// assert_eq!(RetryReason::of(&sqlx::Error::RowNotFound), None);
+    /// ```
+    pub fn of(err: &sqlx::Error) -> Option<Self> {
+        match err {
+            sqlx::Error::Database(db) => match db.code().as_deref() {
+                Some("40001") => Some(Self::SerializationFailure),
+                Some("40P01") => Some(Self::Deadlock),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for RetryReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The isolation level claimed transactions run at.
+///
+/// The claim is correct at every level: under `RepeatableRead` and `Serializable` a claim
+/// that meets a concurrently committed original fails with a serialization failure instead of
+/// reading it, and the re-run (a new transaction, a new snapshot) sees it as a duplicate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IsolationLevel {
+    /// `READ COMMITTED`, PostgreSQL's own default (the default here too).
+    #[default]
+    ReadCommitted,
+    /// `REPEATABLE READ`: one snapshot for the whole handler.
+    RepeatableRead,
+    /// `SERIALIZABLE`: as if the transactions ran one at a time; expect serialization
+    /// failures under contention, which are re-run.
+    Serializable,
+}
+
+impl IsolationLevel {
+    fn begin(self) -> &'static str {
+        match self {
+            Self::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            Self::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
+            Self::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
+        }
+    }
 }
 
 /// A response (or any outcome) recorded with the claim, replayed byte for byte to duplicates.
@@ -149,17 +241,58 @@ pub enum Claim {
 #[derive(Clone, Debug)]
 pub struct Inbox {
     pool: PgPool,
+    isolation: IsolationLevel,
+    labels: MetricLabels,
 }
 
 impl Inbox {
-    /// An inbox over a pool whose database has the [`MIGRATOR`] migrations applied.
+    /// An inbox over a pool whose database has the [`MIGRATOR`] migrations applied; claims
+    /// run at `READ COMMITTED` and metrics carry the consumer label.
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            isolation: IsolationLevel::default(),
+            labels: MetricLabels::default(),
+        }
+    }
+
+    /// Claims run at `level`.
+    pub fn with_isolation(mut self, level: IsolationLevel) -> Self {
+        self.isolation = level;
+        self
+    }
+
+    /// Which identity labels this inbox's [metrics](crate::metrics) carry.
+    pub fn with_metric_labels(mut self, labels: MetricLabels) -> Self {
+        self.labels = labels;
+        self
     }
 
     /// The pool claims are made from.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// The isolation level claims run at.
+    pub fn isolation(&self) -> IsolationLevel {
+        self.isolation
+    }
+
+    /// The identity labels metrics carry.
+    pub fn metric_labels(&self) -> MetricLabels {
+        self.labels
+    }
+
+    /// Classifies an error of the inbox's own database work and counts it.
+    fn failed(&self, consumer: &str, err: sqlx::Error) -> InboxError {
+        let err = InboxError::classify(err);
+        m::count_with(
+            m::DATABASE_ERRORS,
+            &self.labels.of_consumer(consumer),
+            "kind",
+            err.kind(),
+        );
+        err
     }
 
     /// Opens a transaction and claims `identity` in it with `INSERT ... ON CONFLICT DO
@@ -176,11 +309,56 @@ impl Inbox {
         handler_version: &str,
         wait: Duration,
     ) -> Result<Claim, InboxError> {
-        let mut tx = self.pool.begin().await.map_err(InboxError::classify)?;
+        let span = tracing::info_span!(
+            "inbox.claim",
+            consumer = %identity.consumer(),
+            producer = %identity.producer().name(),
+            message_id = %identity.message_id(),
+            outcome = tracing::field::Empty,
+        );
+        let labels = self.labels.of(&identity);
+        let claim = self
+            .claim_in_span(identity, fingerprint, handler_version, wait)
+            .instrument(span.clone())
+            .await;
+        let outcome = match &claim {
+            Ok(Claim::Claimed(_)) => "claimed",
+            Ok(Claim::Duplicate(_)) => {
+                m::count(m::DUPLICATES, &labels, 1);
+                "duplicate"
+            }
+            Ok(Claim::Conflict(_)) => {
+                m::count(m::IDENTITY_CONFLICTS, &labels, 1);
+                "conflict"
+            }
+            Ok(Claim::InProgress) => {
+                m::count(m::IN_PROGRESS, &labels, 1);
+                "in-progress"
+            }
+            Err(err) => err.kind(),
+        };
+        span.record("outcome", outcome);
+        claim
+    }
+
+    async fn claim_in_span(
+        &self,
+        identity: MessageIdentity,
+        fingerprint: Fingerprint,
+        handler_version: &str,
+        wait: Duration,
+    ) -> Result<Claim, InboxError> {
+        let consumer = identity.consumer();
+        let mut tx = self
+            .pool
+            .begin_with(self.isolation.begin())
+            .await
+            .map_err(|e| self.failed(consumer, e))?;
         let fingerprint_hex = fingerprint.to_hex();
         let wait_ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
+        let started = Instant::now();
         let row = sqlx::query(sql::CLAIM)
-            .bind(identity.consumer())
+            .bind(consumer)
             .bind(identity.producer().name())
             .bind(identity.tenant_column())
             .bind(identity.message_id().as_str())
@@ -189,6 +367,11 @@ impl Inbox {
             .bind(wait_ms)
             .fetch_one(&mut *tx)
             .await;
+        m::observe_seconds(
+            m::CLAIM_WAIT,
+            &self.labels.of_consumer(consumer),
+            started.elapsed().as_secs_f64(),
+        );
         let row = match row {
             Ok(row) => row,
             Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
@@ -196,15 +379,20 @@ impl Inbox {
                 let _ = tx.rollback().await;
                 return Ok(Claim::InProgress);
             }
-            Err(err) => return Err(InboxError::classify(err)),
+            Err(err) => return Err(self.failed(consumer, err)),
         };
         let claimed: bool = row.try_get("claimed").map_err(InboxError::Database)?;
         if claimed {
-            return Ok(Claim::Claimed(ClaimedMessage { tx, identity }));
+            return Ok(Claim::Claimed(ClaimedMessage {
+                tx,
+                identity,
+                retry: None,
+                labels: self.labels,
+            }));
         }
         // Our insert did nothing; end the transaction before answering so the connection
         // goes back to the pool at once.
-        tx.rollback().await.map_err(InboxError::classify)?;
+        tx.rollback().await.map_err(|e| self.failed(consumer, e))?;
         let entry = entry_from_row(&row)?;
         Ok(if entry.payload_sha256 != fingerprint_hex {
             Claim::Conflict(entry)
@@ -227,7 +415,7 @@ impl Inbox {
             .bind(identity.message_id().as_str())
             .fetch_optional(&self.pool)
             .await
-            .map_err(InboxError::classify)?;
+            .map_err(|e| self.failed(identity.consumer(), e))?;
         row.as_ref().map(entry_from_row).transpose()
     }
 
@@ -242,8 +430,14 @@ impl Inbox {
         reason: &str,
         quarantine_after: u32,
     ) -> Result<Option<i64>, InboxError> {
+        m::count_with(
+            m::HANDLER_FAILURES,
+            &self.labels.of_consumer(identity.consumer()),
+            "reason",
+            reason,
+        );
         let item_key = identity_item_key(QuarantineSource::HandlerFailure, identity, "");
-        sqlx::query_scalar(sql::RECORD_FAILURE)
+        let item: Option<(i64, bool)> = sqlx::query_as(sql::RECORD_FAILURE)
             .bind(identity.consumer())
             .bind(identity.producer().name())
             .bind(identity.tenant_column())
@@ -255,7 +449,11 @@ impl Inbox {
             .bind(item_key)
             .fetch_optional(&self.pool)
             .await
-            .map_err(InboxError::classify)
+            .map_err(|e| self.failed(identity.consumer(), e))?;
+        if let Some((_, true)) = item {
+            quarantine_moved(QuarantineSource::HandlerFailure);
+        }
+        Ok(item.map(|(id, _)| id))
     }
 
     /// Keeps an identity conflict (`identity` claimed before with another payload) in the
@@ -267,7 +465,7 @@ impl Inbox {
         handler_version: &str,
     ) -> Result<(), InboxError> {
         let sha = conflicting.to_hex();
-        sqlx::query(sql::RECORD_CONFLICT)
+        let opened: bool = sqlx::query_scalar(sql::RECORD_CONFLICT)
             .bind(identity_item_key(
                 QuarantineSource::IdentityConflict,
                 identity,
@@ -279,10 +477,25 @@ impl Inbox {
             .bind(identity.message_id().as_str())
             .bind(&sha)
             .bind(handler_version)
-            .execute(&self.pool)
+            .fetch_one(&self.pool)
             .await
-            .map_err(InboxError::classify)?;
+            .map_err(|e| self.failed(identity.consumer(), e))?;
+        if opened {
+            quarantine_moved(QuarantineSource::IdentityConflict);
+        }
         Ok(())
+    }
+}
+
+/// Counts an item newly opened in the quarantine.
+pub(crate) fn quarantine_moved(source: QuarantineSource) {
+    m::count_with(m::QUARANTINE_MOVES, &[], "source", source.as_str());
+}
+
+/// Counts quarantined items a later success recovered.
+pub(crate) fn quarantine_recovered(source: QuarantineSource, n: u64) {
+    if n > 0 {
+        ::metrics::counter!(m::QUARANTINE_RECOVERIES, "source" => source.as_str()).increment(n);
     }
 }
 
@@ -319,8 +532,15 @@ fn entry_from_row(row: &PgRow) -> Result<InboxEntry, InboxError> {
     })
 }
 
-/// A message this transaction claimed. Dereferences to the transaction's connection, so the
-/// business writes go through it: `sqlx::query(..).execute(&mut *message)`.
+/// A message this transaction claimed.
+///
+/// Run the business writes through it: `sqlx::query(..).execute(&mut message)` (or
+/// `&mut *tx` for an [`InboxTx`](crate::InboxTx)). Statements run that way are watched: a
+/// serialization failure or deadlock among them is remembered ([`retry_reason`](Self::retry_reason)),
+/// and the layer then rolls back and re-runs the handler. It also dereferences to the
+/// transaction's [`PgConnection`] for functions that take one; statements run through that
+/// plain connection are not watched, so call [`request_retry`](Self::request_retry) when one
+/// of them fails with `40001` or `40P01`.
 ///
 /// Dropping it without [`commit`](Self::commit) rolls the claim back with everything written
 /// on it, so a retry can process the message again.
@@ -328,6 +548,8 @@ fn entry_from_row(row: &PgRow) -> Result<InboxEntry, InboxError> {
 pub struct ClaimedMessage {
     tx: Transaction<'static, Postgres>,
     identity: MessageIdentity,
+    retry: Option<RetryReason>,
+    labels: MetricLabels,
 }
 
 impl ClaimedMessage {
@@ -336,12 +558,57 @@ impl ClaimedMessage {
         &self.identity
     }
 
+    /// Asks for this transaction to be rolled back and run again from the start, as after a
+    /// serialization failure. The layer honours it whatever the handler answers, within its
+    /// [`TransientRetry`](crate::TransientRetry) bound.
+    pub fn request_retry(&mut self) {
+        self.retry.get_or_insert(RetryReason::Requested);
+    }
+
+    /// Why this transaction has to be re-run, if a watched statement failed with a
+    /// serialization failure or deadlock, or a re-run was requested. Such a transaction is
+    /// aborted: it cannot commit.
+    pub fn retry_reason(&self) -> Option<RetryReason> {
+        self.retry
+    }
+
     /// Records the outcome on the claim and commits: claim, business writes and recorded
     /// response become durable together or not at all.
     ///
     /// An error from the commit itself is ambiguous (the server may have committed before the
     /// connection failed); a retry of the command resolves it, as a replay or a new run.
-    pub async fn commit(mut self, response: Option<&RecordedResponse>) -> Result<(), InboxError> {
+    pub async fn commit(self, response: Option<&RecordedResponse>) -> Result<(), InboxError> {
+        let span = tracing::info_span!(
+            "inbox.commit",
+            consumer = %self.identity.consumer(),
+            producer = %self.identity.producer().name(),
+            message_id = %self.identity.message_id(),
+            status = response.map(|r| r.status),
+            outcome = tracing::field::Empty,
+        );
+        let (labels, identity) = (self.labels, self.identity.clone());
+        let result = self
+            .record_and_commit(response)
+            .instrument(span.clone())
+            .await;
+        match &result {
+            Ok(()) => {
+                m::count(m::FIRST_SEEN, &labels.of(&identity), 1);
+                span.record("outcome", "committed");
+            }
+            Err(err) => {
+                let consumer = labels.of_consumer(identity.consumer());
+                m::count_with(m::DATABASE_ERRORS, &consumer, "kind", err.kind());
+                span.record("outcome", err.kind());
+            }
+        }
+        result
+    }
+
+    async fn record_and_commit(
+        mut self,
+        response: Option<&RecordedResponse>,
+    ) -> Result<(), InboxError> {
         let (status, names, values, body) = match response {
             Some(r) => (
                 Some(i16::try_from(r.status).unwrap_or(i16::MAX)),
@@ -362,7 +629,7 @@ impl ClaimedMessage {
             None => (None, None, None, None),
         };
         let identity = &self.identity;
-        sqlx::query(sql::RECORD)
+        let recovered: Option<i64> = sqlx::query_scalar(sql::RECORD)
             .bind(identity.consumer())
             .bind(identity.producer().name())
             .bind(identity.tenant_column())
@@ -376,10 +643,15 @@ impl ClaimedMessage {
                 identity,
                 "",
             ))
-            .execute(&mut *self.tx)
+            .fetch_optional(&mut *self.tx)
             .await
             .map_err(InboxError::classify)?;
-        self.tx.commit().await.map_err(InboxError::classify)
+        self.tx.commit().await.map_err(InboxError::classify)?;
+        quarantine_recovered(
+            QuarantineSource::HandlerFailure,
+            recovered.map_or(0, |n| n.unsigned_abs()),
+        );
+        Ok(())
     }
 
     /// Rolls back the claim and everything written in its transaction.

@@ -9,7 +9,8 @@ from tower_inbox_claim($1, $2, $3, $4, $5, $6, $7)";
 
 /// Records the outcome on the claimed row. Touches no indexed column, so it can be a HOT
 /// update. In the same statement, a quarantine item about earlier failed attempts of this
-/// command is marked recovered: it commits exactly when the success does.
+/// command is marked recovered: it commits exactly when the success does. Returns how many
+/// items it recovered.
 pub(crate) const RECORD: &str = "\
 with recovered as ( \
     update inbox_quarantine \
@@ -19,14 +20,17 @@ with recovered as ( \
         decided_at = coalesce(decided_at, now()), \
         decision_reason = coalesce(decision_reason, 'a later attempt committed') \
     where item_key = $9 and recovered_at is null \
+    returning 1 \
 ) \
 update consumer_inbox \
 set processed_at = now(), response_status = $5, response_header_names = $6, \
     response_header_values = $7, response_body = $8 \
-where consumer_name = $1 and producer_name = $2 and tenant_id = $3 and message_id = $4";
+where consumer_name = $1 and producer_name = $2 and tenant_id = $3 and message_id = $4 \
+returning (select count(*) from recovered)";
 
 /// Counts a rolled-back attempt, in its own transaction; from the `$8`th attempt on, the
-/// command also has an open quarantine item (key `$9`) carrying the same count.
+/// command also has an open quarantine item (key `$9`) carrying the same count. Returns the
+/// item and whether this statement opened it (`xmax = 0` marks a row inserted, not updated).
 pub(crate) const RECORD_FAILURE: &str = "\
 with failure as ( \
     insert into consumer_inbox_failure as f \
@@ -47,16 +51,18 @@ on conflict (item_key) where decision is null do update \
 set attempts = excluded.attempts, last_failed_at = excluded.last_failed_at, \
     reason_code = excluded.reason_code, payload_sha256 = excluded.payload_sha256, \
     payload_ref = excluded.payload_ref, handler_version = excluded.handler_version \
-returning q.id";
+returning q.id, (q.xmax = 0) as opened";
 
 /// Keeps an identity conflict: one open item per (identity, conflicting payload), counted.
+/// Returns whether this statement opened the item.
 pub(crate) const RECORD_CONFLICT: &str = "\
 insert into inbox_quarantine as q \
     (source, item_key, consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
      payload_ref, reason_code, handler_version) \
 values ('identity-conflict', $1, $2, $3, $4, $5, $6, 'sha256:' || $6, 'payload-mismatch', $7) \
 on conflict (item_key) where decision is null do update \
-set attempts = q.attempts + 1, last_failed_at = now()";
+set attempts = q.attempts + 1, last_failed_at = now() \
+returning (q.xmax = 0) as opened";
 
 /// Reads one inbox row, outside any transaction.
 pub(crate) const LOOKUP: &str = "\

@@ -3,6 +3,7 @@
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
+use ::metrics::Label;
 use axum::body::Body;
 use axum::response::IntoResponse;
 use bytes::Bytes;
@@ -18,8 +19,9 @@ use super::layer::{InboxConfig, IDEMPOTENT_REPLAYED};
 use crate::extract::TxSlot;
 use crate::fingerprint::{CommandPayload, Fingerprint};
 use crate::identity::MessageIdentity;
-use crate::inbox::{Claim, Inbox, InboxEntry, InboxError, RecordedResponse};
+use crate::inbox::{Claim, Inbox, InboxEntry, InboxError, RecordedResponse, RetryReason};
 use crate::key::{KeyError, MessageKey};
+use crate::metrics as m;
 use crate::outcome::Outcome;
 use crate::problem::{Problem, ProblemKind};
 
@@ -29,7 +31,7 @@ pub(crate) async fn run<S, ReqBody, ResBody>(
     request: Request<ReqBody>,
 ) -> Result<Response<Body>, S::Error>
 where
-    S: Service<Request<Body>, Response = Response<ResBody>> + Send + 'static,
+    S: Service<Request<Body>, Response = Response<ResBody>> + Clone + Send + 'static,
     S::Future: Send + 'static,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
     ReqBody::Error: Into<axum::BoxError>,
@@ -43,34 +45,50 @@ where
     let key = match read_key(&parts.headers, &config) {
         Ok(Some(key)) => key,
         Ok(None) if !config.key_required => {
+            // Counted all the same: a producer that stopped sending keys shows up here, not
+            // as a silent drop in duplicates.
+            key_missing(&config, "passed");
             return pass_through(inner, Request::from_parts(parts, body)).await;
         }
         Ok(None) => {
+            key_missing(&config, "refused");
             let detail = format!("this request needs an {} header", config.key_header);
-            return Ok(Problem::new(ProblemKind::KeyMissing, detail).into_response());
+            return Ok(refuse(
+                &config,
+                Problem::new(ProblemKind::KeyMissing, detail),
+            ));
         }
         Err(err) => {
             let detail = format!("the {} header is malformed: {err}", config.key_header);
-            return Ok(Problem::new(ProblemKind::KeyMalformed, detail).into_response());
+            return Ok(refuse(
+                &config,
+                Problem::new(ProblemKind::KeyMalformed, detail),
+            ));
         }
     };
     let producer = match config.producer.producer(&parts) {
         Ok(producer) => producer,
         Err(err) => {
-            return Ok(Problem::new(ProblemKind::ProducerMissing, err.0)
-                .with_status(config.producer_missing_status)
-                .into_response());
+            let problem = Problem::new(ProblemKind::ProducerMissing, err.0)
+                .with_status(config.producer_missing_status);
+            return Ok(refuse(&config, problem));
         }
     };
     let body = match read_limited(body, config.body_limit).await {
         Ok(body) => body,
         Err(ReadError::TooLarge) => {
             let detail = format!("the body is over the {} byte limit", config.body_limit);
-            return Ok(Problem::new(ProblemKind::BodyTooLarge, detail).into_response());
+            return Ok(refuse(
+                &config,
+                Problem::new(ProblemKind::BodyTooLarge, detail),
+            ));
         }
         Err(ReadError::Failed(err)) => {
             let detail = format!("the body could not be read: {err}");
-            return Ok(Problem::new(ProblemKind::BodyUnreadable, detail).into_response());
+            return Ok(refuse(
+                &config,
+                Problem::new(ProblemKind::BodyUnreadable, detail),
+            ));
         }
     };
     let fingerprint = fingerprint(&config, &parts, &body);
@@ -90,6 +108,26 @@ where
         body,
     };
     command.claim_and_run(inner).instrument(span).await
+}
+
+fn consumer_labels(config: &InboxConfig) -> Vec<Label> {
+    config.inbox.metric_labels().of_consumer(&config.consumer)
+}
+
+fn key_missing(config: &InboxConfig, action: &str) {
+    m::count_with(m::KEY_MISSING, &consumer_labels(config), "action", action);
+}
+
+/// A guarded request refused before any claim: counted by problem type.
+fn refuse(config: &InboxConfig, problem: Problem) -> Response<Body> {
+    let reason = problem.kind().slug();
+    m::count_with(
+        m::REQUESTS_REFUSED,
+        &consumer_labels(config),
+        "reason",
+        reason,
+    );
+    problem.into_response()
 }
 
 async fn pass_through<S, B, ResBody>(
@@ -164,10 +202,59 @@ struct Command {
     body: Bytes,
 }
 
+/// Where one attempt at a command ended.
+enum Step {
+    /// The answer for the client, with the outcome for the command's span.
+    Answer(&'static str, Response<Body>),
+    /// A serialization failure, deadlock or requested re-run: everything rolled back.
+    Rerun {
+        reason: RetryReason,
+        ran_handler: bool,
+    },
+}
+
 impl Command {
+    /// Claims and runs the command, re-running the whole transaction after transient
+    /// failures within the configured bound.
     async fn claim_and_run<S, ResBody>(self, inner: S) -> Result<Response<Body>, S::Error>
     where
-        S: Service<Request<Body>, Response = Response<ResBody>>,
+        S: Service<Request<Body>, Response = Response<ResBody>> + Clone,
+        ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+        ResBody::Error: Into<axum::BoxError>,
+    {
+        let retry = self.config.transient_retry;
+        let mut services = Services::new(inner);
+        let mut attempt = 1;
+        loop {
+            let (reason, ran_handler) = match self.attempt(&mut services).await? {
+                Step::Answer(outcome, response) => {
+                    tracing::Span::current().record("outcome", outcome);
+                    return Ok(response);
+                }
+                Step::Rerun {
+                    reason,
+                    ran_handler,
+                } => (reason, ran_handler),
+            };
+            if attempt >= retry.max_attempts() {
+                return Ok(self.conflicts_exhausted(reason, attempt, ran_handler).await);
+            }
+            m::count_with(
+                m::TRANSACTION_RETRIES,
+                &consumer_labels(&self.config),
+                "reason",
+                reason.as_str(),
+            );
+            let delay = retry.delay(attempt);
+            tracing::info!(%reason, attempt, ?delay, "transaction rolled back; running it again");
+            tokio::time::sleep(delay).await;
+            attempt += 1;
+        }
+    }
+
+    async fn attempt<S, ResBody>(&self, services: &mut Services<S>) -> Result<Step, S::Error>
+    where
+        S: Service<Request<Body>, Response = Response<ResBody>> + Clone,
         ResBody: http_body::Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<axum::BoxError>,
     {
@@ -181,11 +268,12 @@ impl Command {
                 config.in_flight_wait,
             )
             .await;
-        let answer = match claim {
+        let step = match claim {
             Ok(Claim::Claimed(message)) => {
-                return self.run_handler(inner, TxSlot::new(message)).await
+                let service = services.ready().await?;
+                return self.run_handler(service, TxSlot::new(message)).await;
             }
-            Ok(Claim::Duplicate(entry)) => ("replayed", replay(&entry)),
+            Ok(Claim::Duplicate(entry)) => Step::Answer("replayed", replay(&entry)),
             Ok(Claim::Conflict(entry)) => {
                 tracing::warn!(
                     recorded_sha256 = %entry.payload_sha256,
@@ -206,7 +294,7 @@ impl Command {
                 );
                 let problem = Problem::new(ProblemKind::PayloadMismatch, detail)
                     .with_status(config.mismatch_status);
-                ("conflict", problem.into_response())
+                Step::Answer("conflict", problem.into_response())
             }
             Ok(Claim::InProgress) => {
                 let problem = Problem::new(
@@ -214,53 +302,51 @@ impl Command {
                     "a request with this key is still being processed; retry later",
                 )
                 .retry_after(config.retry_after_secs);
-                ("in-progress", problem.into_response())
+                Step::Answer("in-progress", problem.into_response())
             }
-            Err(err) => ("database-error", database_problem(config, &err)),
+            Err(err) => match err.retry_reason() {
+                Some(reason) => Step::Rerun {
+                    reason,
+                    ran_handler: false,
+                },
+                None => Step::Answer("database-error", database_problem(config, &err)),
+            },
         };
-        tracing::Span::current().record("outcome", answer.0);
-        Ok(answer.1)
+        Ok(step)
     }
 
-    async fn run_handler<S, ResBody>(
-        self,
-        mut inner: S,
-        slot: TxSlot,
-    ) -> Result<Response<Body>, S::Error>
+    async fn run_handler<S, ResBody>(&self, mut service: S, slot: TxSlot) -> Result<Step, S::Error>
     where
         S: Service<Request<Body>, Response = Response<ResBody>>,
         ResBody: http_body::Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<axum::BoxError>,
     {
-        let Self {
-            config,
-            identity,
-            fingerprint,
-            mut parts,
-            body,
-        } = self;
-        let span = tracing::Span::current();
+        let config = &self.config;
+        // The buffered request is cloned for each attempt (the body is reference-counted),
+        // so a re-run sees exactly what the first run saw.
+        let mut parts = self.parts.clone();
         parts.extensions.insert(slot.clone());
-        let request = Request::from_parts(parts, Body::from(body));
-        let attempt = Attempt {
-            inbox: config.inbox.clone(),
-            identity,
-            fingerprint,
-            handler_version: config.handler_version.clone(),
-            quarantine_after: config.quarantine_after,
-            armed: true,
-        };
+        let request = Request::from_parts(parts, Body::from(self.body.clone()));
+        let attempt = Attempt::new(self);
+        let handler_span = tracing::info_span!(
+            "inbox.handler",
+            consumer = %self.identity.consumer(),
+            producer = %self.identity.producer().name(),
+            message_id = %self.identity.message_id(),
+            status = tracing::field::Empty,
+        );
         // `call` runs inside the caught future, so a panic while building the handler's
         // future is caught as well as one while polling it.
-        let result = AssertUnwindSafe(async { inner.call(request).await })
+        let result = AssertUnwindSafe(async { service.call(request).await })
             .catch_unwind()
+            .instrument(handler_span.clone())
             .await;
         let response = match result {
             Ok(Ok(response)) => response,
             Ok(Err(err)) => {
                 roll_back(&slot).await;
                 attempt.failed("service-error").await;
-                span.record("outcome", "service-error");
+                tracing::Span::current().record("outcome", "service-error");
                 return Err(err);
             }
             Err(panic) => {
@@ -268,26 +354,34 @@ impl Command {
                 tracing::error!(panic = %message, "handler panicked; rolled back");
                 roll_back(&slot).await;
                 attempt.failed("handler-panicked").await;
-                span.record("outcome", "handler-panicked");
-                return Ok(Problem::new(
+                let problem = Problem::new(
                     ProblemKind::HandlerPanicked,
                     "the handler failed; nothing was committed and the request may be retried",
-                )
-                .into_response());
+                );
+                return Ok(Step::Answer("handler-panicked", problem.into_response()));
             }
         };
+        handler_span.record("status", response.status().as_u16());
+        // A watched statement failed with 40001/40P01 (the transaction is aborted whatever
+        // the handler made of it), or the handler asked for a re-run.
+        if let Some(reason) = slot.retry_reason() {
+            roll_back(&slot).await;
+            attempt.finish();
+            return Ok(Step::Rerun {
+                reason,
+                ran_handler: true,
+            });
+        }
         match config.outcome.decide(response.status()) {
             Outcome::Reject => {
                 roll_back(&slot).await;
                 attempt.finish();
-                span.record("outcome", "rejected");
-                return Ok(response.map(Body::new));
+                return Ok(Step::Answer("rejected", response.map(Body::new)));
             }
             Outcome::Fail => {
                 roll_back(&slot).await;
                 attempt.failed("handler-error-status").await;
-                span.record("outcome", "handler-failed");
-                return Ok(response.map(Body::new));
+                return Ok(Step::Answer("handler-failed", response.map(Body::new)));
             }
             Outcome::Commit => {}
         }
@@ -312,8 +406,10 @@ impl Command {
                     ),
                 };
                 attempt.failed(reason).await;
-                span.record("outcome", reason);
-                return Ok(Problem::new(kind, detail).into_response());
+                return Ok(Step::Answer(
+                    reason,
+                    Problem::new(kind, detail).into_response(),
+                ));
             }
         };
         let Some(message) = slot.take() else {
@@ -321,12 +417,11 @@ impl Command {
             // race with writes the handler is still making. It rolls back when dropped.
             tracing::error!("handler kept the inbox transaction past its response; not committed");
             attempt.failed("transaction-leaked").await;
-            span.record("outcome", "transaction-leaked");
-            return Ok(Problem::new(
+            let problem = Problem::new(
                 ProblemKind::TransactionLeaked,
                 "the handler kept the inbox transaction after answering; nothing was committed",
-            )
-            .into_response());
+            );
+            return Ok(Step::Answer("transaction-leaked", problem.into_response()));
         };
         let recorded = RecordedResponse {
             status: response_parts.status.as_u16(),
@@ -335,16 +430,69 @@ impl Command {
         };
         // From here the outcome is the database's, not the handler's.
         attempt.finish();
-        match message.commit(Some(&recorded)).await {
-            Ok(()) => {
-                span.record("outcome", "committed");
-                Ok(Response::from_parts(response_parts, Body::from(body)))
-            }
-            Err(err) => {
-                span.record("outcome", "commit-failed");
-                Ok(database_problem(&config, &err))
-            }
+        Ok(match message.commit(Some(&recorded)).await {
+            Ok(()) => Step::Answer(
+                "committed",
+                Response::from_parts(response_parts, Body::from(body)),
+            ),
+            Err(err) => match err.retry_reason() {
+                Some(reason) => Step::Rerun {
+                    reason,
+                    ran_handler: true,
+                },
+                None => Step::Answer("commit-failed", database_problem(config, &err)),
+            },
+        })
+    }
+
+    /// The answer once every attempt hit a transient failure: nothing committed.
+    async fn conflicts_exhausted(
+        &self,
+        reason: RetryReason,
+        attempts: u32,
+        ran_handler: bool,
+    ) -> Response<Body> {
+        tracing::warn!(%reason, attempts, "transaction kept conflicting; giving up");
+        if ran_handler {
+            record_failure(Attempt::new(self).disarm(), "transaction-conflict").await;
         }
+        tracing::Span::current().record("outcome", "transaction-conflict");
+        Problem::new(
+            ProblemKind::TransactionConflict,
+            format!(
+                "the transaction conflicted with concurrent ones {attempts} times ({reason}); \
+                 nothing was committed, retry with the same key"
+            ),
+        )
+        .retry_after(self.config.retry_after_secs)
+        .into_response()
+    }
+}
+
+/// The inner service for each run of the handler: the one the caller drove to readiness
+/// first, then fresh clones of it, each driven to readiness in turn.
+struct Services<S> {
+    service: S,
+    fresh: bool,
+}
+
+impl<S: Service<Request<Body>> + Clone> Services<S> {
+    fn new(ready: S) -> Self {
+        Self {
+            service: ready,
+            fresh: true,
+        }
+    }
+
+    async fn ready(&mut self) -> Result<S, S::Error> {
+        // Cloned only once a claim needs the handler: replays never pay for it.
+        let mut next = self.service.clone();
+        if std::mem::take(&mut self.fresh) {
+            // Hand out the service the caller made ready; keep the clone for re-runs.
+            return Ok(std::mem::replace(&mut self.service, next));
+        }
+        std::future::poll_fn(|cx| next.poll_ready(cx)).await?;
+        Ok(next)
     }
 }
 
@@ -360,8 +508,25 @@ struct Attempt {
 }
 
 impl Attempt {
+    fn new(command: &Command) -> Self {
+        Self {
+            inbox: command.config.inbox.clone(),
+            identity: command.identity.clone(),
+            fingerprint: command.fingerprint,
+            handler_version: command.config.handler_version.clone(),
+            quarantine_after: command.config.quarantine_after,
+            armed: true,
+        }
+    }
+
     fn finish(mut self) {
         self.armed = false;
+    }
+
+    /// What a failure of this attempt is recorded with, without counting one on drop.
+    fn disarm(mut self) -> FailedAttempt {
+        self.armed = false;
+        self.failure()
     }
 
     async fn failed(mut self, reason: &'static str) {

@@ -8,11 +8,13 @@ use tower::Layer;
 
 use super::service::InboxService;
 use crate::fingerprint::FingerprintStrategy;
-use crate::inbox::Inbox;
+use crate::inbox::{Inbox, IsolationLevel};
 use crate::key::MAX_KEY_LEN;
+use crate::metrics::MetricLabels;
 use crate::outcome::OutcomePolicy;
 use crate::producer::ProducerScope;
 use crate::replay::ReplayPolicy;
+use crate::retry::TransientRetry;
 
 /// The header the command ID is read from by default.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -48,6 +50,7 @@ pub(crate) struct InboxConfig {
     pub(crate) handler_version: Arc<str>,
     pub(crate) fingerprint: FingerprintStrategy,
     pub(crate) quarantine_after: u32,
+    pub(crate) transient_retry: TransientRetry,
 }
 
 /// A Tower layer that makes guarded requests exactly-once commands.
@@ -81,6 +84,9 @@ impl InboxLayer {
             fingerprint: FingerprintStrategy::default(),
             quarantine_after: 3,
             replay_policy: ReplayPolicy::default(),
+            isolation: IsolationLevel::default(),
+            transient_retry: TransientRetry::default(),
+            metric_labels: MetricLabels::default(),
         }
     }
 }
@@ -163,9 +169,37 @@ pub struct InboxLayerBuilder {
     fingerprint: FingerprintStrategy,
     quarantine_after: u32,
     replay_policy: ReplayPolicy,
+    isolation: IsolationLevel,
+    transient_retry: TransientRetry,
+    metric_labels: MetricLabels,
 }
 
 impl InboxLayerBuilder {
+    /// The isolation level of the claimed transaction (default `READ COMMITTED`). The claim
+    /// stays correct at every level; stricter levels turn more contention into
+    /// serialization failures, which are re-run.
+    pub fn isolation_level(mut self, level: IsolationLevel) -> Self {
+        self.isolation = level;
+        self
+    }
+
+    /// How a transaction that hit a serialization failure or deadlock (in the claim, the
+    /// handler's watched statements, the record or the commit), or whose handler asked for
+    /// it, is rolled back and re-run (default: 3 attempts in all, 5–20 ms apart). When the
+    /// attempts run out the client gets `503`
+    /// [`transaction-conflict`](crate::problem#transaction-conflict).
+    pub fn transient_retry(mut self, retry: TransientRetry) -> Self {
+        self.transient_retry = retry;
+        self
+    }
+
+    /// Which identity labels the per-command [metrics](crate::metrics) carry (default: the
+    /// consumer only).
+    pub fn metric_labels(mut self, labels: MetricLabels) -> Self {
+        self.metric_labels = labels;
+        self
+    }
+
     /// What a new handler version does with messages an older one processed (default
     /// [`ReplayPolicy::NoReapplication`]). See [`crate::replay`].
     pub fn replay_policy(mut self, policy: ReplayPolicy) -> Self {
@@ -311,7 +345,9 @@ impl InboxLayerBuilder {
         }
         Ok(InboxLayer {
             config: Arc::new(InboxConfig {
-                inbox: Inbox::new(self.pool),
+                inbox: Inbox::new(self.pool)
+                    .with_isolation(self.isolation)
+                    .with_metric_labels(self.metric_labels),
                 consumer: consumer.into(),
                 producer,
                 producer_missing_status: self.producer_missing_status,
@@ -328,6 +364,7 @@ impl InboxLayerBuilder {
                 handler_version: self.handler_version.into(),
                 fingerprint: self.fingerprint,
                 quarantine_after: self.quarantine_after,
+                transient_retry: self.transient_retry,
             }),
         })
     }

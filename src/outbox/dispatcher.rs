@@ -10,9 +10,10 @@ use tracing::Instrument;
 
 use super::transport::{Delivery, Transport};
 use super::{sql, Effect, EffectId};
-use crate::inbox::InboxError;
+use crate::inbox::{quarantine_moved, quarantine_recovered, InboxError};
+use crate::metrics as m;
 use crate::middleware::ConfigError;
-use crate::quarantine::effect_item_key;
+use crate::quarantine::{effect_item_key, QuarantineSource};
 
 /// The channel enqueues notify on commit.
 const CHANNEL: &str = "tower_inbox_outbox";
@@ -38,6 +39,23 @@ pub struct DispatchReport {
 }
 
 impl DispatchReport {
+    /// Counts one effect's delivery attempt by outcome (a report of a single effect).
+    fn count_deliveries(&self, effect: &str) {
+        let outcomes = [
+            ("delivered", self.delivered),
+            ("retry", self.retried),
+            ("dead", self.dead),
+            ("released", self.released),
+            ("unrecorded", self.unrecorded),
+        ];
+        for (outcome, n) in outcomes {
+            if n > 0 {
+                ::metrics::counter!(m::OUTBOX_DELIVERIES, "effect" => effect.to_owned(), "outcome" => outcome)
+                    .increment(n as u64);
+            }
+        }
+    }
+
     fn add(&mut self, other: Self) {
         self.leased += other.leased;
         self.delivered += other.delivered;
@@ -360,6 +378,7 @@ impl<T: Transport> Dispatcher<T> {
                 Ok(1) => report.released = 1,
                 _ => report.unrecorded = 1,
             }
+            report.count_deliveries(&effect.effect_name);
             return report;
         }
         let span = tracing::info_span!(
@@ -434,7 +453,7 @@ impl<T: Transport> Dispatcher<T> {
             Delivery::Retry { status, error } => {
                 span.record("outcome", "dead");
                 let reason = "attempts-exhausted".to_owned();
-                self.dead(id, token, status, error, reason, &mut report)
+                self.dead(&effect, token, status, error, reason, &mut report)
                     .await
             }
             Delivery::Permanent {
@@ -443,7 +462,7 @@ impl<T: Transport> Dispatcher<T> {
                 error,
             } => {
                 span.record("outcome", "dead");
-                self.dead(id, token, status, error, reason_code, &mut report)
+                self.dead(&effect, token, status, error, reason_code, &mut report)
                     .await
             }
         };
@@ -458,28 +477,40 @@ impl<T: Transport> Dispatcher<T> {
                 report.unrecorded = 1;
             }
         }
+        report.count_deliveries(&effect.effect_name);
+        if report.recovered > 0 {
+            quarantine_recovered(QuarantineSource::DeadEffect, 1);
+        }
         report
     }
 
     async fn dead(
         &self,
-        id: &EffectId,
+        effect: &Effect,
         token: &str,
         status: Option<u16>,
         error: String,
         reason_code: String,
         report: &mut DispatchReport,
     ) -> Result<i64, sqlx::Error> {
+        let id = &effect.effect_id;
         tracing::warn!(effect_id = %id, %reason_code, %error, "effect moved to dead letters");
-        let item: Option<i64> = sqlx::query_scalar(sql::DEAD)
+        let item: Option<(i64, bool)> = sqlx::query_as(sql::DEAD)
             .bind(id.as_str())
             .bind(token)
             .bind(error)
             .bind(status.map(i32::from))
             .bind(effect_item_key(id.as_str()))
-            .bind(reason_code)
+            .bind(&reason_code)
             .fetch_optional(&self.pool)
             .await?;
+        if let Some((_, opened)) = item {
+            ::metrics::counter!(m::OUTBOX_DEAD_LETTERS, "effect" => effect.effect_name.clone(), "reason" => reason_code)
+                .increment(1);
+            if opened {
+                quarantine_moved(QuarantineSource::DeadEffect);
+            }
+        }
         report.dead = usize::from(item.is_some());
         Ok(i64::from(item.is_some()))
     }

@@ -49,6 +49,7 @@ set next_attempt_at = now() + make_interval(secs => $3), last_error = $4, remote
 where effect_id = $1 and lease_owner = $2 and status = 'pending'";
 
 /// Moves an effect to dead letters and opens (or counts) its quarantine item, atomically.
+/// Returns the item and whether this statement opened it.
 pub(crate) const DEAD: &str = "\
 with dead as ( \
     update message_outbox \
@@ -64,7 +65,7 @@ select 'dead-effect', $5, consumer_name, producer_name, tenant_id, message_id, e
 from dead \
 on conflict (item_key) where decision is null do update \
 set attempts = excluded.attempts, last_failed_at = now(), reason_code = excluded.reason_code \
-returning q.id";
+returning q.id, (q.xmax = 0) as opened";
 
 /// Gives back leases a stopping dispatcher did not start on; they were not attempted.
 pub(crate) const RELEASE: &str = "\
