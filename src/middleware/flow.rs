@@ -273,7 +273,16 @@ impl Command {
                 let service = services.ready().await?;
                 return self.run_handler(service, TxSlot::new(message)).await;
             }
-            Ok(Claim::Duplicate(entry)) => Step::Answer("replayed", replay(&entry)),
+            Ok(Claim::Duplicate(entry)) => {
+                let span = tracing::info_span!(
+                    "inbox.replay",
+                    consumer = %self.identity.consumer(),
+                    producer = %self.identity.producer().name(),
+                    message_id = %self.identity.message_id(),
+                    status = entry.response.as_ref().map(|r| r.status),
+                );
+                Step::Answer("replayed", span.in_scope(|| replay(&entry)))
+            }
             Ok(Claim::Conflict(entry)) => {
                 tracing::warn!(
                     recorded_sha256 = %entry.payload_sha256,
