@@ -25,6 +25,7 @@
 //! | first seen; the handler rejects the request's shape (default: 400, 401, 403, 404, 405, 408, 413, 415, 422, 429) | the handler's | rollback: the key may be reused with a corrected request |
 //! | first seen; 5xx, panic (500 [`handler-panicked`](problem#handler-panicked)) or client gone | the handler's | rollback; the failed attempt is counted in `consumer_inbox_failure` |
 //! | claim or commit fails: database down, pool timeout | 503 [`unavailable`](problem#unavailable) with `Retry-After` | nothing (or, for a failed commit, unknown: a retry resolves it) |
+//! | serialization failure or deadlock (claim, handler, record, commit), or a requested re-run | the handler runs again, up to [`TransientRetry`] attempts, then 503 [`transaction-conflict`](problem#transaction-conflict) | at most one commit |
 //! | duplicate, same fingerprint | the recorded status, headers and body, plus `Idempotent-Replayed: true` | none |
 //! | duplicate, different fingerprint | 409 (or 422) [`payload-mismatch`](problem#payload-mismatch) | none; the original untouched |
 //! | duplicate while the original is in flight | waits up to the configured time, then replays, runs (the original rolled back), or 409 [`in-progress`](problem#in-progress) with `Retry-After` | none |
@@ -37,6 +38,10 @@
 //!   broker consumer claims and commits the same way).
 //! * [`MessageKey`], [`Fingerprint`], [`MessageIdentity`], [`Producer`]: identity.
 //! * [`migrate`] / [`MIGRATOR`]: the embedded migrations.
+//! * [`TransientRetry`], [`IsolationLevel`], [`RetryReason`]: re-runs after serialization
+//!   failures and deadlocks.
+//! * [`metrics`]: every metric the crate records, and the stats task.
+//! * [`outbox`], [`quarantine`], [`replay`]: effects, poison messages, handler versions.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
