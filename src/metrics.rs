@@ -44,7 +44,8 @@ pub const TRANSACTION_RETRIES: &str = "inbox_transaction_retries_total";
 pub const CLAIM_WAIT: &str = "inbox_claim_wait_seconds";
 /// Attempts that rolled back and were counted as failed, by stable reason code.
 pub const HANDLER_FAILURES: &str = "inbox_handler_failures_total";
-/// Errors of the inbox's own database work, by kind.
+/// Errors of the inbox's own database work, by kind (`unavailable` or `internal`);
+/// serialization failures and deadlocks are counted in [`TRANSACTION_RETRIES`] instead.
 pub const DATABASE_ERRORS: &str = "inbox_database_errors_total";
 /// First-seen messages refused by the retention guard: older than the window, so the inbox
 /// may have forgotten them.
@@ -192,7 +193,7 @@ pub const METRICS: &[MetricInfo] = &[
         Counter,
         &["consumer", "kind"],
         Unit::Count,
-        "errors of the inbox's own database work: kind=unavailable, transient or internal",
+        "errors of the inbox's own database work: kind=unavailable or internal (serialization failures and deadlocks count as retries)",
     ),
     info(
         EXPIRED,

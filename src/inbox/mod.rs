@@ -108,7 +108,15 @@ impl InboxError {
         matches!(self, Self::Unavailable(_) | Self::Transient(_))
     }
 
-    /// The kind, as a stable metric label.
+    /// Counts the error in [`DATABASE_ERRORS`](m::DATABASE_ERRORS); serialization failures
+    /// and deadlocks are contention, not errors, and are counted as re-runs instead.
+    fn count(&self, consumer: &[::metrics::Label]) {
+        if !matches!(self, Self::Transient(_)) {
+            m::count_with(m::DATABASE_ERRORS, consumer, "kind", self.kind());
+        }
+    }
+
+    /// The kind, as a stable span field and metric label.
     fn kind(&self) -> &'static str {
         match self {
             Self::Unavailable(_) => "unavailable",
@@ -286,12 +294,7 @@ impl Inbox {
     /// Classifies an error of the inbox's own database work and counts it.
     fn failed(&self, consumer: &str, err: sqlx::Error) -> InboxError {
         let err = InboxError::classify(err);
-        m::count_with(
-            m::DATABASE_ERRORS,
-            &self.labels.of_consumer(consumer),
-            "kind",
-            err.kind(),
-        );
+        err.count(&self.labels.of_consumer(consumer));
         err
     }
 
@@ -597,8 +600,7 @@ impl ClaimedMessage {
                 span.record("outcome", "committed");
             }
             Err(err) => {
-                let consumer = labels.of_consumer(identity.consumer());
-                m::count_with(m::DATABASE_ERRORS, &consumer, "kind", err.kind());
+                err.count(&labels.of_consumer(identity.consumer()));
                 span.record("outcome", err.kind());
             }
         }
