@@ -12,7 +12,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::http::StatusCode;
-use common::{credit, send, unreachable_pool, Reply, TestApp};
+use common::{
+    credit, send, unreachable_pool, wait_until_a_lock_is_awaited, Reply, TestApp,
+    INSERT_REFUSED_AT_COMMIT,
+};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use serde::Serialize;
@@ -21,8 +24,8 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use tower_inbox::quarantine::{Quarantine, QuarantineSource};
 use tower_inbox::replay::{
-    CompensatedMigration, MigrationDefinitionError, MigrationStep, ReplayPolicy, StepError,
-    StepOutcome, TransientError, TransientKind,
+    CompensatedMigration, CompensatedMigrationBuilder, MigrationDefinitionError, MigrationStep,
+    ReplayPolicy, StepError, StepOutcome, TransientError, TransientKind,
 };
 use tower_inbox::{
     Claim, ClaimedMessage, ConfigError, Fingerprint, Inbox, MessageIdentity, MessageKey, Producer,
@@ -465,10 +468,20 @@ async fn buggy_v1(app: &TestApp) -> Vec<MigrationStep<MissingBonus>> {
 }
 
 fn bonus_migration(pool: &PgPool) -> CompensatedMigration {
-    CompensatedMigration::builder(Inbox::new(pool.clone()), "credits", MIGRATION)
-        .handler_version("fix-1")
-        .build()
-        .expect("migration")
+    bonus_migration_with(pool, |b| b.handler_version("fix-1"))
+}
+
+fn bonus_migration_with(
+    pool: &PgPool,
+    configure: impl FnOnce(CompensatedMigrationBuilder) -> CompensatedMigrationBuilder,
+) -> CompensatedMigration {
+    configure(CompensatedMigration::builder(
+        Inbox::new(pool.clone()),
+        "credits",
+        MIGRATION,
+    ))
+    .build()
+    .expect("migration")
 }
 
 /// The compensation: pays the bonus and writes a ledger row that names the step.
@@ -499,6 +512,20 @@ fn pay_bonus<'a>(
         .bind(id.message_id().as_str())
         .execute(&mut **tx)
         .await?;
+        Ok(())
+    }
+    .boxed()
+}
+
+/// Pays the bonus, then runs `sql` in the same transaction.
+fn pay_bonus_then<'a>(
+    tx: &'a mut ClaimedMessage,
+    fix: &'a MissingBonus,
+    sql: &'static str,
+) -> BoxFuture<'a, Result<(), sqlx::Error>> {
+    async move {
+        pay_bonus(tx, fix).await?;
+        sqlx::query(sql).execute(&mut **tx).await?;
         Ok(())
     }
     .boxed()
@@ -806,19 +833,7 @@ async fn a_deadlocked_step_is_rerun_and_applied_once() {
         .expect("applied on the re-run");
     other.await.expect("other transaction");
 
-    assert_eq!(
-        outcome,
-        StepOutcome::Applied {
-            value: (),
-            attempts: 2
-        }
-    );
-    assert_eq!(calls.load(Ordering::SeqCst), 2);
-    assert_eq!(
-        compensations(&app.pool).await,
-        expected_compensations(&steps[..1])
-    );
-    assert_eq!(app.balance(&step.input().account).await, Some(260));
+    assert_applied_once_on_the_second_attempt(&app, &steps, outcome, &calls).await;
 }
 
 async fn lock_account(conn: &mut sqlx::PgConnection, account: &str) -> Result<(), sqlx::Error> {
@@ -829,37 +844,17 @@ async fn lock_account(conn: &mut sqlx::PgConnection, account: &str) -> Result<()
         .map(|_| ())
 }
 
-/// Waits (bounded) until some backend of this database waits for a row lock.
-async fn wait_until_a_lock_is_awaited(pool: &PgPool) {
-    for _ in 0..400 {
-        let waiting: i64 = sqlx::query_scalar(
-            "select count(*) from pg_stat_activity
-             where datname = current_database() and wait_event_type = 'Lock'",
-        )
-        .fetch_one(pool)
-        .await
-        .expect("pg_stat_activity");
-        if waiting > 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("no backend ever waited for the lock");
-}
-
 #[tokio::test]
 async fn serialization_failures_are_rerun_a_bounded_number_of_times() {
     let app = TestApp::new().await;
     let steps = buggy_v1(&app).await;
-    let migration =
-        CompensatedMigration::builder(Inbox::new(app.pool.clone()), "credits", MIGRATION)
-            .retry(TransientRetry::new(
-                3,
-                Duration::from_millis(1),
-                Duration::from_millis(5),
-            ))
-            .build()
-            .expect("migration");
+    let migration = bonus_migration_with(&app.pool, |b| {
+        b.retry(TransientRetry::new(
+            3,
+            Duration::from_millis(1),
+            Duration::from_millis(5),
+        ))
+    });
 
     let calls = AtomicUsize::new(0);
     let result = migration
@@ -892,10 +887,7 @@ async fn serialization_failures_are_rerun_a_bounded_number_of_times() {
     );
 
     // With no re-runs allowed the first transient failure is final.
-    let once = CompensatedMigration::builder(Inbox::new(app.pool.clone()), "credits", MIGRATION)
-        .retry(TransientRetry::never())
-        .build()
-        .expect("migration");
+    let once = bonus_migration_with(&app.pool, |b| b.retry(TransientRetry::never()));
     let calls = AtomicUsize::new(0);
     let result = once
         .apply_step(&steps[0], |tx: &mut ClaimedMessage, _: &MissingBonus| {
@@ -938,6 +930,17 @@ async fn a_serialization_failure_at_commit_reruns_the_step() {
         .apply_step(&steps[0], counting(&calls, pay_bonus))
         .await
         .expect("applied");
+    assert_applied_once_on_the_second_attempt(&app, &steps, outcome, &calls).await;
+}
+
+/// The first step ran twice (the first attempt rolled back) and its compensation committed
+/// once.
+async fn assert_applied_once_on_the_second_attempt(
+    app: &TestApp,
+    steps: &[MigrationStep<MissingBonus>],
+    outcome: StepOutcome<()>,
+    calls: &AtomicUsize,
+) {
     assert_eq!(
         outcome,
         StepOutcome::Applied {
@@ -950,7 +953,7 @@ async fn a_serialization_failure_at_commit_reruns_the_step() {
         compensations(&app.pool).await,
         expected_compensations(&steps[..1])
     );
-    assert_eq!(app.balance("a0").await, Some(260));
+    assert_eq!(app.balance(&steps[0].input().account).await, Some(260));
 }
 
 #[tokio::test]
@@ -960,16 +963,9 @@ async fn a_failing_step_rolls_back_its_writes_and_stays_retryable() {
     let migration = bonus_migration(&app.pool);
 
     let result = migration
-        .apply_step(&steps[0], |tx: &mut ClaimedMessage, fix: &MissingBonus| {
-            async move {
-                pay_bonus(tx, fix).await?;
-                // A constraint the compensation breaks: a real, permanent database error.
-                sqlx::query("insert into credit_ledger (account_id, delta, balance_after, consumer_name, producer_name, message_id) values ('no-such-account', 1, 1, 'c', 'p', 'm')")
-                    .execute(&mut **tx)
-                    .await?;
-                Ok::<(), sqlx::Error>(())
-            }
-            .boxed()
+        .apply_step(&steps[0], |tx, fix| {
+            // A constraint the compensation breaks: a real, permanent database error.
+            pay_bonus_then(tx, fix, "insert into credit_ledger (account_id, delta, balance_after, consumer_name, producer_name, message_id) values ('no-such-account', 1, 1, 'c', 'p', 'm')")
         })
         .await;
     let Err(StepError::Failed(err)) = result else {
@@ -987,15 +983,8 @@ async fn a_failing_step_rolls_back_its_writes_and_stays_retryable() {
     // The process running the step dies mid-transaction: the rollback itself fails, and
     // still nothing of the step is left.
     let result = migration
-        .apply_step(&steps[0], |tx: &mut ClaimedMessage, fix: &MissingBonus| {
-            async move {
-                pay_bonus(tx, fix).await?;
-                sqlx::query("select pg_terminate_backend(pg_backend_pid())")
-                    .execute(&mut **tx)
-                    .await?;
-                Ok::<(), sqlx::Error>(())
-            }
-            .boxed()
+        .apply_step(&steps[0], |tx, fix| {
+            pay_bonus_then(tx, fix, "select pg_terminate_backend(pg_backend_pid())")
         })
         .await;
     assert!(matches!(result, Err(StepError::Failed(_))), "{result:?}");
@@ -1015,10 +1004,7 @@ async fn a_step_held_by_another_runner_is_in_progress() {
     let app = TestApp::new().await;
     let steps = buggy_v1(&app).await;
     let migration =
-        CompensatedMigration::builder(Inbox::new(app.pool.clone()), "credits", MIGRATION)
-            .in_flight_wait(Duration::from_millis(50))
-            .build()
-            .expect("migration");
+        bonus_migration_with(&app.pool, |b| b.in_flight_wait(Duration::from_millis(50)));
     let step = &steps[0];
 
     // Another runner claimed the step and has not finished.
@@ -1058,11 +1044,7 @@ async fn a_step_held_by_another_runner_is_in_progress() {
 async fn concurrent_runners_apply_each_step_once() {
     let app = TestApp::new().await;
     let steps = buggy_v1(&app).await;
-    let migration =
-        CompensatedMigration::builder(Inbox::new(app.pool.clone()), "credits", MIGRATION)
-            .in_flight_wait(Duration::from_secs(30))
-            .build()
-            .expect("migration");
+    let migration = bonus_migration_with(&app.pool, |b| b.in_flight_wait(Duration::from_secs(30)));
     let runners: Vec<_> = (0..3)
         .map(|_| {
             let (migration, steps) = (migration.clone(), steps.clone());
@@ -1115,13 +1097,7 @@ async fn database_failures_of_a_step_are_errors_and_commit_nothing() {
 
     // The commit is refused (a deferred constraint): not re-run, nothing committed.
     let app = TestApp::new().await;
-    sqlx::raw_sql(
-        "create table once_only (id int, constraint once unique (id) deferrable initially deferred);
-         insert into once_only values (1);",
-    )
-    .execute(&app.pool)
-    .await
-    .expect("schema");
+    app.create_refused_at_commit().await;
     let migration = CompensatedMigration::builder(Inbox::new(app.pool.clone()), "c", MIGRATION)
         .build()
         .expect("migration");
@@ -1129,7 +1105,7 @@ async fn database_failures_of_a_step_are_errors_and_commit_nothing() {
         .apply_step(&step, |tx: &mut ClaimedMessage, _: &serde_json::Value| {
             calls.fetch_add(1, Ordering::SeqCst);
             async move {
-                sqlx::query("insert into once_only values (1)")
+                sqlx::query(INSERT_REFUSED_AT_COMMIT)
                     .execute(&mut **tx)
                     .await
                     .map(|_| ())
@@ -1143,11 +1119,7 @@ async fn database_failures_of_a_step_are_errors_and_commit_nothing() {
     );
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     assert_eq!(app.inbox_rows().await, 0);
-    let rows: i64 = sqlx::query_scalar("select count(*) from once_only")
-        .fetch_one(&app.pool)
-        .await
-        .expect("count");
-    assert_eq!(rows, 1);
+    assert_eq!(app.refused_at_commit_rows().await, 1);
 }
 
 #[tokio::test]
