@@ -29,6 +29,24 @@ impl Fingerprint {
         Self(Sha256::digest(bytes).into())
     }
 
+    /// The fingerprint of a JSON value in canonical form: object keys sorted, no
+    /// insignificant whitespace. Two values that differ only in key order have the same
+    /// fingerprint; it equals [`of_bytes`](Self::of_bytes) of the canonical text.
+    ///
+    /// ```
+    /// use serde_json::json;
+    /// use tower_inbox::Fingerprint;
+    /// let a = Fingerprint::of_json(&json!({"account": "a1", "bonus": 5}));
+    /// assert_eq!(a, Fingerprint::of_json(&json!({"bonus": 5, "account": "a1"})));
+    /// assert_eq!(a, Fingerprint::of_bytes(br#"{"account":"a1","bonus":5}"#));
+    /// assert_ne!(a, Fingerprint::of_json(&json!({"account": "a1", "bonus": 6})));
+    /// ```
+    pub fn of_json(value: &Value) -> Self {
+        let mut canonical = String::new();
+        write_canonical(value, &mut canonical);
+        Self::of_bytes(canonical.as_bytes())
+    }
+
     pub(crate) fn from_digest(digest: [u8; 32]) -> Self {
         Self(digest)
     }

@@ -37,6 +37,10 @@
 //! * [`Inbox`], [`Claim`], [`ClaimedMessage`]: the protocol core, usable without HTTP (a
 //!   broker consumer claims and commits the same way).
 //! * [`MessageKey`], [`Fingerprint`], [`MessageIdentity`], [`Producer`]: identity.
+//! * [`replay`]: what a new handler version does with old messages
+//!   ([`ReplayPolicy`](replay::ReplayPolicy)), and
+//!   [`CompensatedMigration`](replay::CompensatedMigration) to correct past effects with
+//!   exactly-once steps.
 //! * [`migrate`] / [`MIGRATOR`]: the embedded migrations.
 //! * [`TransientRetry`], [`IsolationLevel`], [`RetryReason`]: re-runs after serialization
 //!   failures and deadlocks.

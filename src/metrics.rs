@@ -6,9 +6,10 @@
 //! installed every call is a no-op.
 //!
 //! Every name begins with `inbox_`, `outbox_` or `quarantine_`, and every label set is
-//! bounded: consumer names, effect names, quarantine sources, table names and stable reason
-//! codes come from code and configuration, never from requests. The producer label is off by
-//! default (see [`MetricLabels`]) because producers can be many, one per client.
+//! bounded: consumer names, effect names, migration names, quarantine sources, table names
+//! and stable reason codes come from code and configuration, never from requests. The
+//! producer label is off by default (see [`MetricLabels`]) because producers can be many, one
+//! per client.
 //!
 //! [`METRICS`] lists every metric with its kind, labels and meaning; the README's reference
 //! table is checked against it by a test.
@@ -50,6 +51,9 @@ pub const DATABASE_ERRORS: &str = "inbox_database_errors_total";
 /// First-seen messages refused by the retention guard: older than the window, so the inbox
 /// may have forgotten them.
 pub const EXPIRED: &str = "inbox_expired_total";
+/// Steps of a [compensated migration](crate::replay::CompensatedMigration), by migration and
+/// outcome.
+pub const MIGRATION_STEPS: &str = "inbox_migration_steps_total";
 /// Inbox rows, per consumer (the stats task).
 pub const INBOX_ROWS: &str = "inbox_rows";
 /// Age of the oldest inbox row, per consumer (the stats task).
@@ -201,6 +205,13 @@ pub const METRICS: &[MetricInfo] = &[
         &["consumer"],
         Unit::Count,
         "first-seen messages older than the retention window, refused by the guard",
+    ),
+    info(
+        MIGRATION_STEPS,
+        Counter,
+        &["migration", "outcome"],
+        Unit::Count,
+        "compensated migration steps: outcome=applied, already-applied, conflict, in-progress, failed or database-error",
     ),
     info(
         INBOX_ROWS,

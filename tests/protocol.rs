@@ -12,7 +12,10 @@ use axum::http::{Request, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::{delete, post};
 use axum::Router;
-use common::{credit, credit_raw, send, unreachable_pool, TestApp};
+use common::{
+    credit, credit_raw, send, unreachable_pool, wait_until_a_lock_is_awaited, TestApp,
+    INSERT_REFUSED_AT_COMMIT,
+};
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Notify;
 use tower_inbox::producer::TrustedHeader;
@@ -44,24 +47,6 @@ fn post_to(path: &str, key: Option<&str>, body: &'static str) -> Request<Body> {
         b = b.header("idempotency-key", key);
     }
     b.body(Body::from(body)).expect("request")
-}
-
-/// Counts the `waiting for a lock` backends: a duplicate blocked on the original's claim.
-async fn wait_until_a_claim_blocks(pool: &sqlx::PgPool) {
-    for _ in 0..400 {
-        let waiting: i64 = sqlx::query_scalar(
-            "select count(*) from pg_stat_activity
-             where datname = current_database() and wait_event_type = 'Lock'",
-        )
-        .fetch_one(pool)
-        .await
-        .expect("pg_stat_activity");
-        if waiting > 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("no claim ever blocked on the original");
 }
 
 #[tokio::test]
@@ -524,7 +509,7 @@ async fn a_waiting_duplicate_replays_when_the_original_commits() {
         let router = router.clone();
         async move { send(&router, credit("a1", Some("k"), Some("app"), 1)).await }
     });
-    wait_until_a_claim_blocks(&app.pool).await;
+    wait_until_a_lock_is_awaited(&app.pool).await;
     gate.release.notify_one();
 
     let original = original.await.expect("original");
@@ -550,7 +535,7 @@ async fn a_waiting_duplicate_runs_when_the_original_rolls_back() {
         let router = router.clone();
         async move { send(&router, credit("a1", Some("k"), Some("app"), 1)).await }
     });
-    wait_until_a_claim_blocks(&app.pool).await;
+    wait_until_a_lock_is_awaited(&app.pool).await;
     // The original fails; the duplicate then owns the claim and runs (and succeeds).
     gate.release.notify_one();
     assert_eq!(
@@ -771,19 +756,13 @@ async fn a_connection_lost_before_the_commit_answers_503_and_commits_nothing() {
 #[tokio::test]
 async fn a_commit_refused_by_a_deferred_constraint_answers_500_and_commits_nothing() {
     let app = TestApp::new().await;
-    sqlx::raw_sql(
-        "create table once_only (id int, constraint once unique (id) deferrable initially deferred);
-         insert into once_only values (1);",
-    )
-    .execute(&app.pool)
-    .await
-    .expect("schema");
+    app.create_refused_at_commit().await;
     let router = Router::new()
         .route(
             "/cmd",
             post(|mut tx: InboxTx| async move {
                 // Accepted now, refused at COMMIT.
-                sqlx::query("insert into once_only values (1)")
+                sqlx::query(INSERT_REFUSED_AT_COMMIT)
                     .execute(&mut *tx)
                     .await
                     .expect("deferred check");
@@ -795,11 +774,7 @@ async fn a_commit_refused_by_a_deferred_constraint_answers_500_and_commits_nothi
     assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(reply.problem_type(), "internal");
     assert_eq!(app.inbox_rows().await, 0);
-    let rows: i64 = sqlx::query_scalar("select count(*) from once_only")
-        .fetch_one(&app.pool)
-        .await
-        .expect("count");
-    assert_eq!(rows, 1);
+    assert_eq!(app.refused_at_commit_rows().await, 1);
 }
 
 #[tokio::test]

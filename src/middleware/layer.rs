@@ -13,7 +13,7 @@ use crate::key::MAX_KEY_LEN;
 use crate::metrics::MetricLabels;
 use crate::outcome::OutcomePolicy;
 use crate::producer::ProducerScope;
-use crate::replay::ReplayPolicy;
+use crate::replay::{ConsumerNameError, ReplayPolicy};
 use crate::retry::TransientRetry;
 
 /// The header the command ID is read from by default.
@@ -307,17 +307,13 @@ impl InboxLayerBuilder {
     /// Checks the settings and builds the layer.
     pub fn build(self) -> Result<InboxLayer, ConfigError> {
         let producer = self.producer.ok_or(ConfigError::NoProducerScope)?;
-        if !is_name(&self.handler_version)
-            || !self.replay_policy.accepts_version(&self.handler_version)
-        {
-            return Err(ConfigError::BadHandlerVersion);
-        }
         let consumer = self
             .replay_policy
-            .consumer_name(&self.consumer, &self.handler_version);
-        if !is_name(&consumer) {
-            return Err(ConfigError::BadConsumerName);
-        }
+            .consumer_name(&self.consumer, &self.handler_version)
+            .map_err(|err| match err {
+                ConsumerNameError::BadConsumerName => ConfigError::BadConsumerName,
+                ConsumerNameError::BadHandlerVersion => ConfigError::BadHandlerVersion,
+            })?;
         if self.max_key_len == 0 || self.max_key_len > MAX_KEY_LEN {
             return Err(ConfigError::BadLimit("max_key_len must be 1 to 255"));
         }
@@ -368,8 +364,4 @@ impl InboxLayerBuilder {
             }),
         })
     }
-}
-
-fn is_name(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 255 && !s.chars().any(char::is_control)
 }

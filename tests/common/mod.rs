@@ -69,6 +69,27 @@ impl TestApp {
             .expect("balance")
     }
 
+    /// Creates a table where [`INSERT_REFUSED_AT_COMMIT`] is accepted when sent and refused
+    /// at COMMIT (a deferred unique constraint): a commit that fails for good.
+    pub async fn create_refused_at_commit(&self) {
+        sqlx::raw_sql(
+            "create table once_only (id int, constraint once unique (id) deferrable initially deferred);
+             insert into once_only values (1);",
+        )
+        .execute(&self.pool)
+        .await
+        .expect("schema");
+    }
+
+    /// Rows of the table [`create_refused_at_commit`](Self::create_refused_at_commit) made:
+    /// 1 unless a refused insert committed.
+    pub async fn refused_at_commit_rows(&self) -> i64 {
+        sqlx::query_scalar("select count(*) from once_only")
+            .fetch_one(&self.pool)
+            .await
+            .expect("count")
+    }
+
     pub async fn inbox_rows(&self) -> i64 {
         sqlx::query_scalar("select count(*) from consumer_inbox")
             .fetch_one(&self.pool)
@@ -138,6 +159,9 @@ pub struct InboxRow {
     pub body: Option<Bytes>,
 }
 
+/// Accepted when sent, refused at COMMIT; see [`TestApp::create_refused_at_commit`].
+pub const INSERT_REFUSED_AT_COMMIT: &str = "insert into once_only values (1)";
+
 /// A pool to a port where nothing listens: every acquire fails.
 pub fn unreachable_pool() -> PgPool {
     let port = {
@@ -148,6 +172,25 @@ pub fn unreachable_pool() -> PgPool {
         .acquire_timeout(Duration::from_secs(2))
         .connect_lazy(&format!("postgres://postgres@127.0.0.1:{port}/none"))
         .expect("lazy pool")
+}
+
+/// Waits (bounded) until some backend of this database waits for a lock: a duplicate
+/// blocked on the original's claim, or one side of a lock cycle.
+pub async fn wait_until_a_lock_is_awaited(pool: &PgPool) {
+    for _ in 0..400 {
+        let waiting: i64 = sqlx::query_scalar(
+            "select count(*) from pg_stat_activity
+             where datname = current_database() and wait_event_type = 'Lock'",
+        )
+        .fetch_one(pool)
+        .await
+        .expect("pg_stat_activity");
+        if waiting > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no backend ever waited for a lock");
 }
 
 /// `POST /accounts/{account}/credits` with `{"delta": delta}`.
