@@ -194,7 +194,7 @@ async fn write_projection_row(message: &mut ClaimedMessage, version: &str, event
     .bind(&event.id)
     .bind(&event.account)
     .bind(event.delta)
-    .execute(&mut **message)
+    .execute(&mut *message)
     .await
     .expect("projection row");
 }
@@ -496,7 +496,7 @@ fn pay_bonus<'a>(
         )
         .bind(fix.bonus)
         .bind(&fix.account)
-        .fetch_one(&mut **tx)
+        .fetch_one(&mut *tx)
         .await?;
         let id = tx.identity().clone();
         sqlx::query(
@@ -510,7 +510,7 @@ fn pay_bonus<'a>(
         .bind(id.consumer())
         .bind(id.producer().name())
         .bind(id.message_id().as_str())
-        .execute(&mut **tx)
+        .execute(&mut *tx)
         .await?;
         Ok(())
     }
@@ -525,7 +525,7 @@ fn pay_bonus_then<'a>(
 ) -> BoxFuture<'a, Result<(), sqlx::Error>> {
     async move {
         pay_bonus(tx, fix).await?;
-        sqlx::query(sql).execute(&mut **tx).await?;
+        sqlx::query(sql).execute(&mut *tx).await?;
         Ok(())
     }
     .boxed()
@@ -818,7 +818,7 @@ async fn a_deadlocked_step_is_rerun_and_applied_once() {
             async move {
                 if first {
                     sqlx::query("set local deadlock_timeout = '50ms'")
-                        .execute(&mut **tx)
+                        .execute(&mut *tx)
                         .await?;
                     lock_account(tx, &fix.account).await?;
                     notify.notify_one();
@@ -1163,7 +1163,7 @@ async fn database_failures_of_a_step_are_errors_and_commit_nothing() {
             calls.fetch_add(1, Ordering::SeqCst);
             async move {
                 sqlx::query(INSERT_REFUSED_AT_COMMIT)
-                    .execute(&mut **tx)
+                    .execute(&mut *tx)
                     .await
                     .map(|_| ())
             }

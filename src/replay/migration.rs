@@ -84,7 +84,7 @@ pub const MIGRATION_PRODUCER_PREFIX: &str = "migration:";
 ///             sqlx::query("update credit_account set balance = balance + $1 where account_id = $2")
 ///                 .bind(fix.bonus)
 ///                 .bind(&fix.account)
-///                 .execute(&mut **tx)
+///                 .execute(&mut *tx)
 ///                 .await?;
 ///             Ok::<(), sqlx::Error>(())
 ///         }
