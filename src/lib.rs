@@ -36,6 +36,8 @@
 //! * [`Inbox`], [`Claim`], [`ClaimedMessage`]: the protocol core, usable without HTTP (a
 //!   broker consumer claims and commits the same way).
 //! * [`MessageKey`], [`Fingerprint`], [`MessageIdentity`], [`Producer`]: identity.
+//! * [`retention`]: the retention window from failure scenarios, the purge, and the guard
+//!   against messages older than the window.
 //! * [`migrate`] / [`MIGRATOR`]: the embedded migrations.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
@@ -53,6 +55,7 @@ pub mod problem;
 pub mod producer;
 pub mod quarantine;
 pub mod replay;
+pub mod retention;
 mod retry;
 
 pub use extract::InboxTx;

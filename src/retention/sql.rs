@@ -1,0 +1,160 @@
+//! The retention statements, next to `migrations/20261203000001_retention.sql` (indexes and
+//! the `expired-message` quarantine source).
+//!
+//! Each purgeable set is written once, as a `from ... where ...` fragment over `$1` (the
+//! cutoff), and both its dry-run count and its batch delete are built from that fragment:
+//! a dry run counts exactly the rows the purge would delete.
+
+/// The cutoff of a window of `$1` seconds, on the database's clock (the one that wrote
+/// `received_at`, `delivered_at` and `decided_at`).
+pub(crate) const CUTOFF: &str = "select now() - make_interval(secs => $1)";
+
+/// Bounds every lock wait of the batch's transaction, so a purge never queues behind (and
+/// holds up claims behind) a lock it cannot get soon.
+pub(crate) const LOCK_TIMEOUT: &str = "select set_config('lock_timeout', $1, true)";
+
+/// No open quarantine item refers to the command of row `i` (any source: a conflict, a
+/// failing command, a dead effect of it). Deleting that row would drop what the item is
+/// about while a person still has to decide on it.
+macro_rules! no_open_item {
+    () => {
+        "not exists ( \
+             select 1 from inbox_quarantine q \
+             where q.decision is null and q.consumer_name = i.consumer_name \
+               and q.producer_name = i.producer_name and q.tenant_id = i.tenant_id \
+               and q.message_id = i.message_id)"
+    };
+}
+
+/// Processed inbox rows past the cutoff that no open quarantine item refers to. In-flight
+/// rows (`processed_at is null`) never match. `received_at` drives the index scan;
+/// `processed_at` is only filtered, never indexed, so recording stays a HOT update.
+macro_rules! inbox_expired {
+    () => {
+        concat!(
+            "from consumer_inbox i \
+             where i.received_at < $1 and i.processed_at < $1 and ",
+            no_open_item!()
+        )
+    };
+}
+
+/// Failure records whose last failure is past the cutoff, unless an open quarantine item
+/// refers to the same command.
+macro_rules! failures_expired {
+    () => {
+        concat!(
+            "from consumer_inbox_failure i where i.last_failed_at < $1 and ",
+            no_open_item!()
+        )
+    };
+}
+
+/// Effects delivered before the cutoff.
+macro_rules! delivered_expired {
+    () => {
+        "from message_outbox o \
+         where o.status = 'delivered' and o.delivered_at < $1"
+    };
+}
+
+/// Dead effects whose quarantine item was discarded before the cutoff, and that have no
+/// open item (a dead effect reopened since).
+macro_rules! discarded_expired {
+    () => {
+        "from message_outbox o \
+         where o.status = 'dead' \
+           and exists ( \
+               select 1 from inbox_quarantine q \
+               where q.effect_id = o.effect_id and q.source = 'dead-effect' \
+                 and q.decision = 'discard' and q.decided_at < $1) \
+           and not exists ( \
+               select 1 from inbox_quarantine q \
+               where q.effect_id = o.effect_id and q.decision is null)"
+    };
+}
+
+/// Decided quarantine items whose decision (and recovery, if any) is past the cutoff. Kept
+/// regardless of age:
+/// * a failing command decided `repair` and not recovered: its recovery (a retry that
+///   commits) is still expected, and an operator must be able to see that it never came;
+/// * an item about an effect still in the outbox and not delivered: a repaired effect
+///   awaiting delivery (its recovery), or a dead one whose discard decision is the reason
+///   the outbox purge may delete it.
+macro_rules! decided_expired {
+    () => {
+        "from inbox_quarantine q \
+         where q.decision is not null and q.decided_at < $1 \
+           and coalesce(q.recovered_at, q.decided_at) < $1 \
+           and not (q.source = 'handler-failure' and q.decision = 'repair' \
+                    and q.recovered_at is null) \
+           and not (q.source = 'dead-effect' and exists ( \
+               select 1 from message_outbox o \
+               where o.effect_id = q.effect_id and o.status <> 'delivered'))"
+    };
+}
+
+pub(crate) const INBOX_COUNT: &str = concat!("select count(*) ", inbox_expired!());
+
+/// Deletes up to `$2` rows of [`INBOX_COUNT`]'s set, oldest first, skipping rows another
+/// transaction holds (a duplicate claim reading one, another purger).
+pub(crate) const INBOX_DELETE: &str = concat!(
+    "with doomed as ( \
+         select i.consumer_name, i.producer_name, i.tenant_id, i.message_id ",
+    inbox_expired!(),
+    " order by i.received_at limit $2 for update of i skip locked) \
+     delete from consumer_inbox d using doomed \
+     where d.consumer_name = doomed.consumer_name and d.producer_name = doomed.producer_name \
+       and d.tenant_id = doomed.tenant_id and d.message_id = doomed.message_id"
+);
+
+pub(crate) const FAILURES_COUNT: &str = concat!("select count(*) ", failures_expired!());
+
+pub(crate) const FAILURES_DELETE: &str = concat!(
+    "with doomed as ( \
+         select i.consumer_name, i.producer_name, i.tenant_id, i.message_id ",
+    failures_expired!(),
+    " order by i.last_failed_at limit $2 for update of i skip locked) \
+     delete from consumer_inbox_failure d using doomed \
+     where d.consumer_name = doomed.consumer_name and d.producer_name = doomed.producer_name \
+       and d.tenant_id = doomed.tenant_id and d.message_id = doomed.message_id"
+);
+
+pub(crate) const DELIVERED_COUNT: &str = concat!("select count(*) ", delivered_expired!());
+
+pub(crate) const DELIVERED_DELETE: &str = concat!(
+    "with doomed as (select o.effect_id ",
+    delivered_expired!(),
+    " order by o.delivered_at limit $2 for update of o skip locked) \
+     delete from message_outbox d using doomed where d.effect_id = doomed.effect_id"
+);
+
+pub(crate) const DISCARDED_COUNT: &str = concat!("select count(*) ", discarded_expired!());
+
+pub(crate) const DISCARDED_DELETE: &str = concat!(
+    "with doomed as (select o.effect_id ",
+    discarded_expired!(),
+    " limit $2 for update of o skip locked) \
+     delete from message_outbox d using doomed where d.effect_id = doomed.effect_id"
+);
+
+pub(crate) const DECIDED_COUNT: &str = concat!("select count(*) ", decided_expired!());
+
+pub(crate) const DECIDED_DELETE: &str = concat!(
+    "with doomed as (select q.id ",
+    decided_expired!(),
+    " order by q.decided_at limit $2 for update of q skip locked) \
+     delete from inbox_quarantine d using doomed where d.id = doomed.id"
+);
+
+/// Keeps a first-seen message the guard refused as too old: one open item per identity,
+/// counted on recurrence.
+pub(crate) const RECORD_EXPIRED: &str = "\
+insert into inbox_quarantine as q \
+    (source, item_key, consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
+     payload_ref, reason_code, handler_version) \
+values ('expired-message', $1, $2, $3, $4, $5, $6, 'sha256:' || $6, 'retention-expired', $7) \
+on conflict (item_key) where decision is null do update \
+set attempts = q.attempts + 1, last_failed_at = now(), payload_sha256 = excluded.payload_sha256, \
+    payload_ref = excluded.payload_ref, handler_version = excluded.handler_version \
+returning q.id";
