@@ -5,7 +5,7 @@ use std::future::Future;
 use std::time::Duration;
 
 use ::metrics::Label;
-use sqlx::PgPool;
+use sqlx::{PgPool, Postgres, Transaction};
 use time::OffsetDateTime;
 use tokio::time::MissedTickBehavior;
 use tracing::Instrument;
@@ -356,7 +356,7 @@ impl Purger {
     }
 
     /// Counts what [`purge`](Self::purge) would delete now, per table, with the cutoffs;
-    /// deletes nothing and takes no row locks.
+    /// deletes nothing and takes no row locks. Its lock waits are bounded like the purge's.
     pub async fn dry_run(&self) -> Result<PurgeReport, PurgeError> {
         self.pass(true).await
     }
@@ -453,12 +453,11 @@ impl Purger {
         };
         for statement in target.statements {
             if dry_run {
-                let rows: i64 = sqlx::query_scalar(statement.count)
-                    .bind(cutoff)
-                    .fetch_one(&self.pool)
+                let rows = self
+                    .count_rows(statement.count, cutoff)
                     .await
-                    .map_err(|e| (InboxError::classify(e), 0))?;
-                purged.rows += u64::try_from(rows).unwrap_or(0);
+                    .map_err(|e| (e, 0))?;
+                purged.rows += rows;
                 continue;
             }
             loop {
@@ -480,17 +479,39 @@ impl Purger {
         Ok(purged)
     }
 
-    async fn delete_batch(
-        &self,
-        statement: &'static str,
-        cutoff: OffsetDateTime,
-    ) -> Result<u64, InboxError> {
+    /// A transaction whose lock waits are bounded by the lock timeout.
+    async fn begin(&self) -> Result<Transaction<'static, Postgres>, InboxError> {
         let mut tx = self.pool.begin().await.map_err(InboxError::classify)?;
         sqlx::query(sql::LOCK_TIMEOUT)
             .bind(&self.lock_timeout)
             .execute(&mut *tx)
             .await
             .map_err(InboxError::classify)?;
+        Ok(tx)
+    }
+
+    /// Counts without locking rows; read-only, so the transaction is simply dropped.
+    async fn count_rows(
+        &self,
+        statement: &'static str,
+        cutoff: OffsetDateTime,
+    ) -> Result<u64, InboxError> {
+        let mut tx = self.begin().await?;
+        let rows: i64 = sqlx::query_scalar(statement)
+            .bind(cutoff)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(InboxError::classify)?;
+        tx.rollback().await.map_err(InboxError::classify)?;
+        Ok(u64::try_from(rows).unwrap_or(0))
+    }
+
+    async fn delete_batch(
+        &self,
+        statement: &'static str,
+        cutoff: OffsetDateTime,
+    ) -> Result<u64, InboxError> {
+        let mut tx = self.begin().await?;
         let deleted = sqlx::query(statement)
             .bind(cutoff)
             .bind(self.batch_size)
