@@ -84,6 +84,31 @@ async fn process(inbox: &Inbox, key: &str) {
     }
 }
 
+/// Claims `key` through the guard, produced at `produced_at`.
+async fn guarded(
+    guard: &RetentionGuard,
+    key: &str,
+    produced_at: OffsetDateTime,
+) -> Result<GuardedClaim, InboxError> {
+    guard
+        .claim(identity(key), body(key), "v1", WAIT, produced_at)
+        .await
+}
+
+/// Counts a rolled-back attempt at `key`; from the `quarantine_after`th on it is quarantined.
+async fn fail(inbox: &Inbox, key: &str, quarantine_after: u32) -> Option<i64> {
+    inbox
+        .record_failure(
+            &identity(key),
+            body(key),
+            "v1",
+            "handler-error",
+            quarantine_after,
+        )
+        .await
+        .unwrap()
+}
+
 /// Runs `statement` with `$1` = key and `$2` = age in seconds.
 async fn backdate(app: &TestApp, statement: &str, key: &str, age: Duration) {
     let done = sqlx::query(statement)
@@ -126,6 +151,13 @@ async fn insert_processed(app: &TestApp, prefix: &str, n: i32, age: Duration) {
     .execute(&app.pool)
     .await
     .unwrap();
+}
+
+async fn run_sql(app: &TestApp, statement: &str) {
+    sqlx::query(statement)
+        .execute(&app.pool)
+        .await
+        .unwrap_or_else(|e| panic!("{statement}: {e}"));
 }
 
 async fn count(app: &TestApp, query: &str) -> i64 {
@@ -198,14 +230,7 @@ async fn inbox_retention_expires_before_a_simulated_redrive() {
     assert!(inbox_has(&app, "evt-remembered").await, "inside the window");
 
     // A redrive inside the window is a duplicate, guard or not.
-    let redrive = guard
-        .claim(
-            identity("evt-remembered"),
-            body("evt-remembered"),
-            "v1",
-            WAIT,
-            ago(RECENT + HOUR),
-        )
+    let redrive = guarded(&guard, "evt-remembered", ago(RECENT + HOUR))
         .await
         .unwrap();
     assert!(
@@ -226,16 +251,7 @@ async fn inbox_retention_expires_before_a_simulated_redrive() {
 
     // The guard refuses it: produced before the window, first seen.
     let produced_at = ago(OLD + HOUR);
-    let refused = guard
-        .claim(
-            identity("evt-forgotten"),
-            body("evt-forgotten"),
-            "v1",
-            WAIT,
-            produced_at,
-        )
-        .await
-        .unwrap();
+    let refused = guarded(&guard, "evt-forgotten", produced_at).await.unwrap();
     let GuardedClaim::Expired(expired) = refused else {
         panic!("not refused: {refused:?}");
     };
@@ -262,16 +278,7 @@ async fn inbox_retention_expires_before_a_simulated_redrive() {
     assert_eq!(item.decision, None);
 
     // A second redrive is counted on the same open item, still not applied.
-    let again = guard
-        .claim(
-            identity("evt-forgotten"),
-            body("evt-forgotten"),
-            "v1",
-            WAIT,
-            produced_at,
-        )
-        .await
-        .unwrap();
+    let again = guarded(&guard, "evt-forgotten", produced_at).await.unwrap();
     assert!(matches!(again, GuardedClaim::Expired(ref e) if e.quarantine_id == item.id));
     let item = Quarantine::new(app.pool.clone())
         .get(item.id)
@@ -282,11 +289,7 @@ async fn inbox_retention_expires_before_a_simulated_redrive() {
     assert_eq!(ledger_for(&app, "evt-forgotten").await, 1);
 
     // A new message produced just now goes through the guard as usual.
-    match guard
-        .claim(identity("evt-new"), body("evt-new"), "v1", WAIT, ago(HOUR))
-        .await
-        .unwrap()
-    {
+    match guarded(&guard, "evt-new", ago(HOUR)).await.unwrap() {
         GuardedClaim::Claim(Claim::Claimed(mut message)) => {
             apply(&mut message).await;
             message.commit(None).await.unwrap();
@@ -307,10 +310,7 @@ async fn the_guard_answers_old_duplicates_conflicts_and_in_flight_originals_as_u
     age_inbox_row(&app, "evt-1", OLD).await;
     let produced_at = ago(OLD + HOUR);
 
-    let duplicate = guard
-        .claim(identity("evt-1"), body("evt-1"), "v1", WAIT, produced_at)
-        .await
-        .unwrap();
+    let duplicate = guarded(&guard, "evt-1", produced_at).await.unwrap();
     assert!(
         matches!(duplicate, GuardedClaim::Claim(Claim::Duplicate(_))),
         "{duplicate:?}"
@@ -538,6 +538,16 @@ async fn item_id(app: &TestApp, source: &str, key: &str) -> i64 {
     .unwrap_or_else(|e| panic!("no {source} item for {key}: {e}"))
 }
 
+/// Decides on a quarantine item as a person would, then moves the decision `age` back.
+async fn decide(app: &TestApp, id: i64, decision: Decision, age: Duration) {
+    let quarantine = Quarantine::new(app.pool.clone());
+    match decision {
+        Decision::Repair => quarantine.repair(id, "oncall", "fixed").await.unwrap(),
+        Decision::Discard => quarantine.discard(id, "oncall", "given up").await.unwrap(),
+    }
+    age_decision(app, id, age).await;
+}
+
 async fn age_decision(app: &TestApp, id: i64, age: Duration) {
     sqlx::query(
         "update inbox_quarantine
@@ -578,14 +588,10 @@ const AGE_DELIVERY: &str = "update message_outbox
 /// with four-day windows deletes, and others it keeps.
 async fn seed_every_table(app: &TestApp) -> [u64; 4] {
     let inbox = Inbox::new(app.pool.clone());
-    let quarantine = Quarantine::new(app.pool.clone());
     insert_processed(app, "old", 3, OLD).await;
     insert_processed(app, "recent", 2, RECENT).await;
     for key in ["fail-old-1", "fail-old-2", "fail-recent"] {
-        inbox
-            .record_failure(&identity(key), body(key), "v1", "handler-error", 100)
-            .await
-            .unwrap();
+        fail(&inbox, key, 100).await;
     }
     for key in ["fail-old-1", "fail-old-2"] {
         backdate(
@@ -616,11 +622,7 @@ async fn seed_every_table(app: &TestApp) -> [u64; 4] {
     // Two decided long ago, one still open: that one keeps old-3's inbox row too.
     for key in ["old-1", "old-2"] {
         let id = item_id(app, "identity-conflict", key).await;
-        quarantine
-            .discard(id, "oncall", "producer bug")
-            .await
-            .unwrap();
-        age_decision(app, id, OLD).await;
+        decide(app, id, Decision::Discard, OLD).await;
     }
     [2, 2, 2, 2]
 }
@@ -740,7 +742,6 @@ async fn in_flight_and_recently_processed_rows_are_kept() {
 async fn rows_an_open_quarantine_item_refers_to_are_kept_until_it_is_decided() {
     let app = TestApp::new().await;
     let inbox = Inbox::new(app.pool.clone());
-    let quarantine = Quarantine::new(app.pool.clone());
     process(&inbox, "conflicted").await;
     age_inbox_row(&app, "conflicted", OLD).await;
     inbox
@@ -748,17 +749,7 @@ async fn rows_an_open_quarantine_item_refers_to_are_kept_until_it_is_decided() {
         .await
         .unwrap();
     // Failed once, quarantined at the first failure.
-    let failing = inbox
-        .record_failure(
-            &identity("failing"),
-            body("failing"),
-            "v1",
-            "handler-error",
-            1,
-        )
-        .await
-        .unwrap()
-        .expect("quarantined");
+    let failing = fail(&inbox, "failing", 1).await.expect("quarantined");
     backdate(
         &app,
         "update consumer_inbox_failure set last_failed_at = now() - make_interval(secs => $2)
@@ -775,14 +766,8 @@ async fn rows_an_open_quarantine_item_refers_to_are_kept_until_it_is_decided() {
     assert!(app.failures("payments", "failing").await.is_some());
 
     let conflict = item_id(&app, "identity-conflict", "conflicted").await;
-    quarantine
-        .discard(conflict, "oncall", "producer bug")
-        .await
-        .unwrap();
-    quarantine
-        .discard(failing, "oncall", "bad command")
-        .await
-        .unwrap();
+    decide(&app, conflict, Decision::Discard, Duration::ZERO).await;
+    decide(&app, failing, Decision::Discard, Duration::ZERO).await;
     let report = purger.purge().await.unwrap();
     assert_eq!(report.rows(PurgedTable::ConsumerInbox), 1);
     assert_eq!(report.rows(PurgedTable::ConsumerInboxFailure), 1);
@@ -797,10 +782,7 @@ async fn failure_records_go_when_their_last_failure_is_past_the_window() {
     let app = TestApp::new().await;
     let inbox = Inbox::new(app.pool.clone());
     for key in ["stale", "fresh"] {
-        inbox
-            .record_failure(&identity(key), body(key), "v1", "handler-error", 100)
-            .await
-            .unwrap();
+        fail(&inbox, key, 100).await;
     }
     backdate(
         &app,
@@ -813,16 +795,7 @@ async fn failure_records_go_when_their_last_failure_is_past_the_window() {
     )
     .await;
     // Failed first long ago, and again just now: still failing, kept.
-    inbox
-        .record_failure(
-            &identity("fresh"),
-            body("fresh"),
-            "v1",
-            "handler-error",
-            100,
-        )
-        .await
-        .unwrap();
+    fail(&inbox, "fresh", 100).await;
     backdate(
         &app,
         "update consumer_inbox_failure set first_failed_at = now() - make_interval(secs => $2)
@@ -844,7 +817,6 @@ async fn failure_records_go_when_their_last_failure_is_past_the_window() {
 #[tokio::test]
 async fn outbox_retention_deletes_delivered_and_discarded_effects_only() {
     let app = TestApp::new().await;
-    let quarantine = Quarantine::new(app.pool.clone());
     dispatch(
         &app,
         &[
@@ -884,23 +856,14 @@ async fn outbox_retention_deletes_delivered_and_discarded_effects_only() {
         ("dead-reopened", OLD),
     ] {
         let id = item_id(&app, "dead-effect", key).await;
-        quarantine
-            .discard(id, "oncall", "receiver gone")
-            .await
-            .unwrap();
-        age_decision(&app, id, age).await;
+        decide(&app, id, Decision::Discard, age).await;
     }
     // Died again after its discard: a new open item a person has to see.
-    sqlx::query(
-        "insert into inbox_quarantine (source, item_key, consumer_name, producer_name, tenant_id,
+    run_sql(&app, "insert into inbox_quarantine (source, item_key, consumer_name, producer_name, tenant_id,
                                        message_id, effect_id, payload_sha256, payload_ref, reason_code)
          select 'dead-effect', 'dead-effect:' || effect_id, consumer_name, producer_name, tenant_id,
                 message_id, effect_id, repeat('c', 64), 'message_outbox:' || effect_id, 'http-404'
-         from message_outbox where message_id = 'dead-reopened'",
-    )
-    .execute(&app.pool)
-    .await
-    .unwrap();
+         from message_outbox where message_id = 'dead-reopened'").await;
 
     let purger = Purger::builder(app.pool.clone())
         .outbox(inbox_policy())
@@ -951,11 +914,7 @@ async fn quarantine_retention_keeps_open_items_and_repairs_awaiting_recovery() {
     .fetch_all(&app.pool)
     .await
     .unwrap();
-    quarantine
-        .discard(conflicts[0], "oncall", "bug")
-        .await
-        .unwrap();
-    age_decision(&app, conflicts[0], OLD).await;
+    decide(&app, conflicts[0], Decision::Discard, OLD).await;
     sqlx::query(
         "update inbox_quarantine set first_failed_at = now() - interval '30 days' where id = $1",
     )
@@ -965,38 +924,11 @@ async fn quarantine_retention_keeps_open_items_and_repairs_awaiting_recovery() {
     .unwrap();
 
     // A failing command repaired long ago whose retry never committed: recovery awaited.
-    let awaiting = inbox
-        .record_failure(
-            &identity("awaiting"),
-            body("awaiting"),
-            "v1",
-            "handler-error",
-            1,
-        )
-        .await
-        .unwrap()
-        .unwrap();
-    quarantine
-        .repair(awaiting, "oncall", "fixed the handler")
-        .await
-        .unwrap();
-    age_decision(&app, awaiting, OLD).await;
+    let awaiting = fail(&inbox, "awaiting", 1).await.unwrap();
+    decide(&app, awaiting, Decision::Repair, OLD).await;
     // One whose retry committed (recovered) long ago.
-    let recovered = inbox
-        .record_failure(
-            &identity("recovered"),
-            body("recovered"),
-            "v1",
-            "handler-error",
-            1,
-        )
-        .await
-        .unwrap()
-        .unwrap();
-    quarantine
-        .repair(recovered, "oncall", "fixed the handler")
-        .await
-        .unwrap();
+    let recovered = fail(&inbox, "recovered", 1).await.unwrap();
+    decide(&app, recovered, Decision::Repair, Duration::ZERO).await;
     process(&inbox, "recovered").await;
     let item = quarantine.get(recovered).await.unwrap().unwrap();
     assert!(
@@ -1013,32 +945,16 @@ async fn quarantine_retention_keeps_open_items_and_repairs_awaiting_recovery() {
     )
     .await;
     let repaired = item_id(&app, "dead-effect", "fx-repaired").await;
-    quarantine
-        .repair(repaired, "oncall", "receiver fixed")
-        .await
-        .unwrap();
-    age_decision(&app, repaired, OLD).await;
+    decide(&app, repaired, Decision::Repair, OLD).await;
     let discarded = item_id(&app, "dead-effect", "fx-discarded").await;
-    quarantine
-        .discard(discarded, "oncall", "receiver gone")
-        .await
-        .unwrap();
-    age_decision(&app, discarded, OLD).await;
+    decide(&app, discarded, Decision::Discard, OLD).await;
 
     // An expired message, discarded long ago.
     let guard = RetentionGuard::new(inbox.clone(), &inbox_policy());
-    let GuardedClaim::Expired(expired) = guard
-        .claim(identity("ancient"), body("ancient"), "v1", WAIT, ago(OLD))
-        .await
-        .unwrap()
-    else {
+    let GuardedClaim::Expired(expired) = guarded(&guard, "ancient", ago(OLD)).await.unwrap() else {
         panic!("not refused");
     };
-    quarantine
-        .discard(expired.quarantine_id, "oncall", "applied long ago")
-        .await
-        .unwrap();
-    age_decision(&app, expired.quarantine_id, OLD).await;
+    decide(&app, expired.quarantine_id, Decision::Discard, OLD).await;
 
     let only_quarantine = Purger::builder(app.pool.clone())
         .quarantine(inbox_policy())
@@ -1167,6 +1083,11 @@ where
     panic!("never happened: {what}");
 }
 
+/// Waits until the inbox row `key` is gone: `why` says which run should have deleted it.
+async fn eventually_purged(app: &TestApp, key: &str, why: &str) {
+    eventually(why, || async { !inbox_has(app, key).await }).await;
+}
+
 type Task = tokio::task::JoinHandle<Result<(), RetentionError>>;
 
 fn spawn_task(purger: Purger, period: Duration) -> (tokio::sync::oneshot::Sender<()>, Task) {
@@ -1193,15 +1114,9 @@ async fn the_background_task_purges_every_period_until_shut_down() {
     let app = TestApp::new().await;
     insert_processed(&app, "first", 1, OLD).await;
     let (stop, task) = spawn_task(purger(&app), Duration::from_millis(50));
-    eventually("the first run purged", || async {
-        !inbox_has(&app, "first-1").await
-    })
-    .await;
+    eventually_purged(&app, "first-1", "the first run purged").await;
     insert_processed(&app, "second", 1, OLD).await;
-    eventually("a later run purged", || async {
-        !inbox_has(&app, "second-1").await
-    })
-    .await;
+    eventually_purged(&app, "second-1", "a later run purged").await;
     stop_task(stop, task).await;
     insert_processed(&app, "after", 1, OLD).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
@@ -1214,10 +1129,7 @@ async fn the_background_task_stops_at_shutdown_without_waiting_for_the_period() 
     insert_processed(&app, "old", 1, OLD).await;
     // Runs at once, then would sleep an hour.
     let (stop, task) = spawn_task(purger(&app), HOUR);
-    eventually("the first run purged", || async {
-        !inbox_has(&app, "old-1").await
-    })
-    .await;
+    eventually_purged(&app, "old-1", "the first run purged").await;
     stop_task(stop, task).await;
 }
 
@@ -1227,24 +1139,23 @@ async fn the_background_task_logs_failures_and_keeps_going() {
     let _capture = logs.capture(tracing::Level::WARN);
     let app = TestApp::new().await;
     insert_processed(&app, "old", 1, OLD).await;
-    sqlx::query("alter table consumer_inbox rename to consumer_inbox_away")
-        .execute(&app.pool)
-        .await
-        .unwrap();
+    run_sql(
+        &app,
+        "alter table consumer_inbox rename to consumer_inbox_away",
+    )
+    .await;
     let (stop, task) = spawn_task(purger(&app), Duration::from_millis(50));
     eventually("two failed runs logged", || async {
         logs.text().matches("retention purge failed").count() >= 2
     })
     .await;
     assert!(logs.text().contains("consumer_inbox"), "{}", logs.text());
-    sqlx::query("alter table consumer_inbox_away rename to consumer_inbox")
-        .execute(&app.pool)
-        .await
-        .unwrap();
-    eventually("a run after the failures purged", || async {
-        !inbox_has(&app, "old-1").await
-    })
+    run_sql(
+        &app,
+        "alter table consumer_inbox_away rename to consumer_inbox",
+    )
     .await;
+    eventually_purged(&app, "old-1", "a run after the failures purged").await;
     stop_task(stop, task).await;
 }
 
@@ -1273,10 +1184,7 @@ async fn an_unreachable_database_is_a_clear_error_and_the_task_survives_it() {
     }
 
     let guard = RetentionGuard::new(Inbox::new(pool), &inbox_policy());
-    let err = guard
-        .claim(identity("k"), body("k"), "v1", WAIT, ago(OLD))
-        .await
-        .unwrap_err();
+    let err = guarded(&guard, "k", ago(OLD)).await.unwrap_err();
     assert!(err.is_retryable(), "{err:?}");
 
     let (stop, task) = spawn_task(purger, Duration::from_millis(50));
@@ -1329,14 +1237,12 @@ async fn a_purge_gives_up_on_a_lock_it_cannot_get_soon() {
 async fn a_failed_quarantine_write_fails_the_guard_and_applies_nothing() {
     let app = TestApp::new().await;
     let guard = RetentionGuard::new(Inbox::new(app.pool.clone()), &inbox_policy());
-    sqlx::query("alter table inbox_quarantine rename to inbox_quarantine_away")
-        .execute(&app.pool)
-        .await
-        .unwrap();
-    let err = guard
-        .claim(identity("ancient"), body("ancient"), "v1", WAIT, ago(OLD))
-        .await
-        .unwrap_err();
+    run_sql(
+        &app,
+        "alter table inbox_quarantine rename to inbox_quarantine_away",
+    )
+    .await;
+    let err = guarded(&guard, "ancient", ago(OLD)).await.unwrap_err();
     assert!(matches!(err, InboxError::Database(_)), "{err:?}");
     assert!(!err.is_retryable());
     assert!(!inbox_has(&app, "ancient").await, "the claim rolled back");
@@ -1349,10 +1255,11 @@ async fn the_purge_span_names_table_cutoff_rows_and_dry_run_and_no_payload() {
     let _capture = logs.capture(tracing::Level::INFO);
     let app = TestApp::new().await;
     insert_processed(&app, "old", 2, OLD).await;
-    sqlx::query("update consumer_inbox set response_body = 'SECRET-PAYLOAD'")
-        .execute(&app.pool)
-        .await
-        .unwrap();
+    run_sql(
+        &app,
+        "update consumer_inbox set response_body = 'SECRET-PAYLOAD'",
+    )
+    .await;
     let purger = purger(&app);
     purger.dry_run().await.unwrap();
     purger.purge().await.unwrap();
@@ -1373,7 +1280,9 @@ async fn the_purge_span_names_table_cutoff_rows_and_dry_run_and_no_payload() {
 #[test]
 fn purged_rows_and_expired_messages_are_counted() {
     use metrics_util::debugging::{DebugValue, DebuggingRecorder};
-    use tower_inbox::metrics::{EXPIRED, INBOX_PURGED, OUTBOX_PURGED, QUARANTINE_PURGED};
+    use tower_inbox::metrics::{
+        EXPIRED, INBOX_PURGED, OUTBOX_PURGED, QUARANTINE_MOVES, QUARANTINE_PURGED,
+    };
 
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
@@ -1389,50 +1298,44 @@ fn purged_rows_and_expired_messages_are_counted() {
                 full_purger(&app).dry_run().await.unwrap();
                 full_purger(&app).purge().await.unwrap();
                 let guard = RetentionGuard::new(Inbox::new(app.pool.clone()), &inbox_policy());
-                guard
-                    .claim(identity("ancient"), body("ancient"), "v1", WAIT, ago(OLD))
-                    .await
-                    .unwrap();
+                // Refused twice: two expired deliveries, one item opened.
+                for _ in 0..2 {
+                    guarded(&guard, "ancient", ago(OLD)).await.unwrap();
+                }
             });
     });
-    let counters: Vec<(String, Vec<(String, String)>, u64)> = snapshotter
+    // Each counter as `name{key=value,...}`, so a wrong label shows up as a missing series.
+    let counters: std::collections::HashMap<String, u64> = snapshotter
         .snapshot()
         .into_vec()
         .into_iter()
         .filter_map(|(key, _, _, value)| match value {
             DebugValue::Counter(n) => {
                 let key = key.key();
-                let labels = key
+                let labels: Vec<String> = key
                     .labels()
-                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                    .map(|l| format!("{}={}", l.key(), l.value()))
                     .collect();
-                Some((key.name().to_owned(), labels, n))
+                Some((format!("{}{{{}}}", key.name(), labels.join(",")), n))
             }
             _ => None,
         })
         .collect();
-    let value = |name: &str, labels: &[(&str, &str)]| {
-        let labels: Vec<(String, String)> = labels
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        counters
-            .iter()
-            .find(|(n, l, _)| n == name && *l == labels)
-            .map(|(_, _, v)| *v)
-    };
-    assert_eq!(
-        value(INBOX_PURGED, &[("table", "consumer_inbox")]),
-        Some(2),
-        "{counters:?}"
-    );
-    assert_eq!(
-        value(INBOX_PURGED, &[("table", "consumer_inbox_failure")]),
-        Some(2)
-    );
-    assert_eq!(value(OUTBOX_PURGED, &[]), Some(2));
-    assert_eq!(value(QUARANTINE_PURGED, &[]), Some(2));
-    assert_eq!(value(EXPIRED, &[("consumer", CONSUMER)]), Some(1));
+    let expected = [
+        (format!("{INBOX_PURGED}{{table=consumer_inbox}}"), 2),
+        (format!("{INBOX_PURGED}{{table=consumer_inbox_failure}}"), 2),
+        (format!("{OUTBOX_PURGED}{{}}"), 2),
+        (format!("{QUARANTINE_PURGED}{{}}"), 2),
+        (format!("{EXPIRED}{{consumer={CONSUMER}}}"), 2),
+        (format!("{QUARANTINE_MOVES}{{source=expired-message}}"), 1),
+    ];
+    for (series, value) in expected {
+        assert_eq!(
+            counters.get(&series),
+            Some(&value),
+            "{series} in {counters:?}"
+        );
+    }
 }
 
 #[tokio::test]
@@ -1458,10 +1361,7 @@ async fn the_migration_keeps_the_record_step_a_hot_update() {
     for i in 0..5 {
         process(&inbox, &format!("k-{i}")).await;
     }
-    sqlx::query("select pg_stat_force_next_flush()")
-        .execute(&app.pool)
-        .await
-        .unwrap();
+    run_sql(&app, "select pg_stat_force_next_flush()").await;
     let (updates, hot): (i64, i64) = sqlx::query_as(
         "select n_tup_upd, n_tup_hot_upd from pg_stat_user_tables where relname = 'consumer_inbox'",
     )

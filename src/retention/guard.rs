@@ -9,7 +9,7 @@ use super::sql;
 use crate::fingerprint::Fingerprint;
 use crate::identity::MessageIdentity;
 use crate::inbox::{Claim, Inbox, InboxError};
-use crate::metrics::{count_with, EXPIRED};
+use crate::metrics::{count_with, EXPIRED, QUARANTINE_MOVES};
 use crate::quarantine::{identity_item_key, QuarantineSource};
 
 /// The result of [`RetentionGuard::claim`].
@@ -49,7 +49,8 @@ pub struct ExpiredMessage {
 /// forgotten. The guard claims as usual and only when the claim is first-seen **and** the
 /// message is that old does it roll the claim back, keep the message in the
 /// [quarantine](crate::quarantine) for a person to decide on, count
-/// [`EXPIRED`](crate::metrics::EXPIRED) and return [`GuardedClaim::Expired`].
+/// [`EXPIRED`](crate::metrics::EXPIRED) (and [`QUARANTINE_MOVES`](crate::metrics::QUARANTINE_MOVES)
+/// when the item is new) and return [`GuardedClaim::Expired`].
 ///
 /// "Now" is the application's clock; the policy's safety margin must cover its skew against
 /// the producer's clock and the database's (which stamps `received_at` for the purge).
@@ -123,8 +124,9 @@ impl RetentionGuard {
     /// Claims `identity` as [`Inbox::claim`] does, then refuses it if it is first seen and
     /// was produced before the window.
     ///
-    /// An error leaves nothing behind but, possibly, the quarantine item: the claim is
-    /// rolled back whenever the message is refused, so a redelivery meets the guard again.
+    /// On an error nothing was applied and no claim is left (a refused message's claim is
+    /// rolled back before its quarantine item is written), so a redelivery meets the guard
+    /// again.
     pub async fn claim(
         &self,
         identity: MessageIdentity,
@@ -147,7 +149,7 @@ impl RetentionGuard {
         }
         let identity = message.identity().clone();
         message.rollback().await?;
-        let quarantine_id: i64 = sqlx::query_scalar(sql::RECORD_EXPIRED)
+        let (quarantine_id, attempts): (i64, i32) = sqlx::query_as(sql::RECORD_EXPIRED)
             .bind(identity_item_key(
                 QuarantineSource::ExpiredMessage,
                 &identity,
@@ -163,6 +165,10 @@ impl RetentionGuard {
             .await
             .map_err(InboxError::classify)?;
         count_with(EXPIRED, &[], "consumer", identity.consumer());
+        if attempts == 1 {
+            let source = QuarantineSource::ExpiredMessage.as_str();
+            count_with(QUARANTINE_MOVES, &[], "source", source);
+        }
         tracing::warn!(
             %identity,
             %produced_at,

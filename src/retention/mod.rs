@@ -39,10 +39,10 @@
 //! };
 //! let policy = scenarios().build()?;
 //! assert_eq!(policy.window(), 15 * DAY);
-//! println!("{policy}");
-//! // retention window 15d: dead-letter redrive 14d + safety margin 1d
-//! //   retry horizon: 1d + outage tolerance 3d = 4d
-//! //   ...
+//! let report = policy.to_string();
+//! assert!(report.starts_with("retention window 15d: dead-letter redrive 14d + safety margin 1d"));
+//! assert!(report.contains("retry horizon: 1d + outage tolerance 3d = 4d"));
+//! assert!(report.contains("dead-letter redrive: 14d  <- sets the window"));
 //!
 //! // A ten-day storage budget would forget messages a redrive can still bring back.
 //! let budget = scenarios().window(10 * DAY).build();

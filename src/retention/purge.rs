@@ -490,7 +490,7 @@ impl Purger {
         Ok(tx)
     }
 
-    /// Counts without locking rows; read-only, so the transaction is simply dropped.
+    /// Counts without locking rows.
     async fn count_rows(
         &self,
         statement: &'static str,

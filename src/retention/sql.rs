@@ -94,61 +94,59 @@ macro_rules! decided_expired {
     };
 }
 
-pub(crate) const INBOX_COUNT: &str = concat!("select count(*) ", inbox_expired!());
+/// Declares the dry-run count and the batch delete of one purgeable set. The delete takes up
+/// to `$2` rows of the set, oldest first, and skips rows another transaction holds (a
+/// duplicate claim reading one, another purger): it never waits on a row lock.
+macro_rules! purgeable {
+    (
+        $count:ident, $delete:ident: $table:literal as $alias:literal by $key:literal,
+        rows $set:ident, oldest $order:literal
+    ) => {
+        pub(crate) const $count: &str = concat!("select count(*) ", $set!());
+        pub(crate) const $delete: &str = concat!(
+            "delete from ",
+            $table,
+            " where (",
+            $key,
+            ") in (select ",
+            $key,
+            " ",
+            $set!(),
+            " order by ",
+            $order,
+            " limit $2 for update of ",
+            $alias,
+            " skip locked)"
+        );
+    };
+}
 
-/// Deletes up to `$2` rows of [`INBOX_COUNT`]'s set, oldest first, skipping rows another
-/// transaction holds (a duplicate claim reading one, another purger).
-pub(crate) const INBOX_DELETE: &str = concat!(
-    "with doomed as ( \
-         select i.consumer_name, i.producer_name, i.tenant_id, i.message_id ",
-    inbox_expired!(),
-    " order by i.received_at limit $2 for update of i skip locked) \
-     delete from consumer_inbox d using doomed \
-     where d.consumer_name = doomed.consumer_name and d.producer_name = doomed.producer_name \
-       and d.tenant_id = doomed.tenant_id and d.message_id = doomed.message_id"
+purgeable!(
+    INBOX_COUNT, INBOX_DELETE: "consumer_inbox" as "i"
+        by "consumer_name, producer_name, tenant_id, message_id",
+    rows inbox_expired, oldest "received_at"
 );
-
-pub(crate) const FAILURES_COUNT: &str = concat!("select count(*) ", failures_expired!());
-
-pub(crate) const FAILURES_DELETE: &str = concat!(
-    "with doomed as ( \
-         select i.consumer_name, i.producer_name, i.tenant_id, i.message_id ",
-    failures_expired!(),
-    " order by i.last_failed_at limit $2 for update of i skip locked) \
-     delete from consumer_inbox_failure d using doomed \
-     where d.consumer_name = doomed.consumer_name and d.producer_name = doomed.producer_name \
-       and d.tenant_id = doomed.tenant_id and d.message_id = doomed.message_id"
+purgeable!(
+    FAILURES_COUNT, FAILURES_DELETE: "consumer_inbox_failure" as "i"
+        by "consumer_name, producer_name, tenant_id, message_id",
+    rows failures_expired, oldest "last_failed_at"
 );
-
-pub(crate) const DELIVERED_COUNT: &str = concat!("select count(*) ", delivered_expired!());
-
-pub(crate) const DELIVERED_DELETE: &str = concat!(
-    "with doomed as (select o.effect_id ",
-    delivered_expired!(),
-    " order by o.delivered_at limit $2 for update of o skip locked) \
-     delete from message_outbox d using doomed where d.effect_id = doomed.effect_id"
+purgeable!(
+    DELIVERED_COUNT, DELIVERED_DELETE: "message_outbox" as "o" by "effect_id",
+    rows delivered_expired, oldest "delivered_at"
 );
-
-pub(crate) const DISCARDED_COUNT: &str = concat!("select count(*) ", discarded_expired!());
-
-pub(crate) const DISCARDED_DELETE: &str = concat!(
-    "with doomed as (select o.effect_id ",
-    discarded_expired!(),
-    " limit $2 for update of o skip locked) \
-     delete from message_outbox d using doomed where d.effect_id = doomed.effect_id"
+// Dead rows have no death time; they are few, any order will do.
+purgeable!(
+    DISCARDED_COUNT, DISCARDED_DELETE: "message_outbox" as "o" by "effect_id",
+    rows discarded_expired, oldest "effect_id"
 );
-
-pub(crate) const DECIDED_COUNT: &str = concat!("select count(*) ", decided_expired!());
-
-pub(crate) const DECIDED_DELETE: &str = concat!(
-    "with doomed as (select q.id ",
-    decided_expired!(),
-    " order by q.decided_at limit $2 for update of q skip locked) \
-     delete from inbox_quarantine d using doomed where d.id = doomed.id"
+purgeable!(
+    DECIDED_COUNT, DECIDED_DELETE: "inbox_quarantine" as "q" by "id",
+    rows decided_expired, oldest "decided_at"
 );
 
 /// Keeps a first-seen message the guard refused as too old: one open item per identity,
-/// counted on recurrence.
+/// counted on recurrence (so `attempts = 1` means this statement opened it).
 pub(crate) const RECORD_EXPIRED: &str = "\
 insert into inbox_quarantine as q \
     (source, item_key, consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
@@ -157,4 +155,4 @@ values ('expired-message', $1, $2, $3, $4, $5, $6, 'sha256:' || $6, 'retention-e
 on conflict (item_key) where decision is null do update \
 set attempts = q.attempts + 1, last_failed_at = now(), payload_sha256 = excluded.payload_sha256, \
     payload_ref = excluded.payload_ref, handler_version = excluded.handler_version \
-returning q.id";
+returning q.id, q.attempts";
