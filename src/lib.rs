@@ -41,6 +41,8 @@
 //!   ([`ReplayPolicy`](replay::ReplayPolicy)), and
 //!   [`CompensatedMigration`](replay::CompensatedMigration) to correct past effects with
 //!   exactly-once steps.
+//! * [`retention`]: the retention window from failure scenarios, the purge, and the guard
+//!   against messages older than the window.
 //! * [`migrate`] / [`MIGRATOR`]: the embedded migrations.
 //! * [`TransientRetry`], [`IsolationLevel`], [`RetryReason`]: re-runs after serialization
 //!   failures and deadlocks.
@@ -62,6 +64,7 @@ pub mod problem;
 pub mod producer;
 pub mod quarantine;
 pub mod replay;
+pub mod retention;
 mod retry;
 
 pub use extract::InboxTx;

@@ -1,6 +1,6 @@
 //! Quarantine and repair of poison messages.
 //!
-//! Three things land here, each kept with its identity, payload hash, a reference to where
+//! Four things land here, each kept with its identity, payload hash, a reference to where
 //! the payload lives (the payload itself is not copied), a stable reason code, an attempt
 //! count, first and last failure times and the handler version:
 //!
@@ -8,7 +8,9 @@
 //! * **repeated handler failures**: one key rolled back
 //!   [`quarantine_after`](crate::InboxLayerBuilder::quarantine_after) times (the layer);
 //! * **dead effects**: an outbox effect that failed permanently or ran out of attempts (the
-//!   dispatcher).
+//!   dispatcher);
+//! * **expired messages**: a first-seen message produced before the retention window,
+//!   which the inbox may have forgotten (the [retention guard](crate::retention::RetentionGuard)).
 //!
 //! A quarantined item is not a success: it changes who owns the problem. A person decides
 //! [`repair`](Quarantine::repair) or [`discard`](Quarantine::discard). Repairing a dead
@@ -48,6 +50,9 @@ pub enum QuarantineSource {
     HandlerFailure,
     /// An outbox effect that could not be delivered.
     DeadEffect,
+    /// A first-seen message produced before the retention window: it may have been
+    /// processed and forgotten, so it was not processed again.
+    ExpiredMessage,
 }
 
 impl QuarantineSource {
@@ -56,6 +61,7 @@ impl QuarantineSource {
         Self::IdentityConflict,
         Self::HandlerFailure,
         Self::DeadEffect,
+        Self::ExpiredMessage,
     ];
 
     /// The stored name, also a metric label.
@@ -64,6 +70,7 @@ impl QuarantineSource {
             Self::IdentityConflict => "identity-conflict",
             Self::HandlerFailure => "handler-failure",
             Self::DeadEffect => "dead-effect",
+            Self::ExpiredMessage => "expired-message",
         }
     }
 

@@ -467,26 +467,46 @@ impl Inbox {
         conflicting: Fingerprint,
         handler_version: &str,
     ) -> Result<(), InboxError> {
-        let sha = conflicting.to_hex();
-        let opened: bool = sqlx::query_scalar(sql::RECORD_CONFLICT)
-            .bind(identity_item_key(
-                QuarantineSource::IdentityConflict,
-                identity,
-                &sha,
-            ))
+        self.quarantine_message(
+            QuarantineSource::IdentityConflict,
+            "payload-mismatch",
+            identity,
+            conflicting,
+            handler_version,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// Opens (or counts again) the quarantine item of `source` about a message, with the
+    /// fingerprint of the payload concerned. Returns the item and how many times it has
+    /// happened.
+    pub(crate) async fn quarantine_message(
+        &self,
+        source: QuarantineSource,
+        reason_code: &str,
+        identity: &MessageIdentity,
+        fingerprint: Fingerprint,
+        handler_version: &str,
+    ) -> Result<(i64, i32), InboxError> {
+        let sha = fingerprint.to_hex();
+        let (id, attempts): (i64, i32) = sqlx::query_as(sql::QUARANTINE_MESSAGE)
+            .bind(source.as_str())
+            .bind(identity_item_key(source, identity, &sha))
             .bind(identity.consumer())
             .bind(identity.producer().name())
             .bind(identity.tenant_column())
             .bind(identity.message_id().as_str())
             .bind(&sha)
+            .bind(reason_code)
             .bind(handler_version)
             .fetch_one(&self.pool)
             .await
             .map_err(|e| self.failed(identity.consumer(), e))?;
-        if opened {
-            quarantine_moved(QuarantineSource::IdentityConflict);
+        if attempts == 1 {
+            quarantine_moved(source);
         }
-        Ok(())
+        Ok((id, attempts))
     }
 }
 

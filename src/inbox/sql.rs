@@ -53,16 +53,18 @@ set attempts = excluded.attempts, last_failed_at = excluded.last_failed_at, \
     payload_ref = excluded.payload_ref, handler_version = excluded.handler_version \
 returning q.id, (q.xmax = 0) as opened";
 
-/// Keeps an identity conflict: one open item per (identity, conflicting payload), counted.
-/// Returns whether this statement opened the item.
-pub(crate) const RECORD_CONFLICT: &str = "\
+/// Keeps a message in the quarantine: one open item per key (for an identity conflict the
+/// key holds the conflicting hash, so each conflicting payload is its own item), counted.
+/// Returns the item and its count.
+pub(crate) const QUARANTINE_MESSAGE: &str = "\
 insert into inbox_quarantine as q \
     (source, item_key, consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
      payload_ref, reason_code, handler_version) \
-values ('identity-conflict', $1, $2, $3, $4, $5, $6, 'sha256:' || $6, 'payload-mismatch', $7) \
+values ($1, $2, $3, $4, $5, $6, $7, 'sha256:' || $7, $8, $9) \
 on conflict (item_key) where decision is null do update \
-set attempts = q.attempts + 1, last_failed_at = now() \
-returning (q.xmax = 0) as opened";
+set attempts = q.attempts + 1, last_failed_at = now(), payload_sha256 = excluded.payload_sha256, \
+    payload_ref = excluded.payload_ref, handler_version = excluded.handler_version \
+returning q.id, q.attempts";
 
 /// Reads one inbox row, outside any transaction.
 pub(crate) const LOOKUP: &str = "\

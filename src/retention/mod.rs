@@ -1,0 +1,116 @@
+//! Retention: how long the inbox must remember a message, and deleting what it no longer
+//! must.
+//!
+//! Retention is part of correctness. Inbox rows cannot always live forever, but deleting one
+//! too soon makes an old delivery new again: a late copy of the message is claimed as
+//! first-seen and applied a second time.
+//!
+//! ## The window comes from failure scenarios
+//!
+//! A [`RetentionPolicy`] is not a TTL. It is built from the ways a copy of an already
+//! processed message can still arrive ([`Scenario`]): the client's or broker's retry
+//! horizon, offset rewinds, dead-letter redrives, outages, backup restores, planned replays,
+//! and any path of your own. Each is declared with a horizon: **how long after the message
+//! was first processed a copy can still arrive through that path**. An outage holds
+//! redeliveries back until it ends, so the outage tolerance is added to the retry horizon.
+//! The window is the longest path plus a safety margin:
+//!
+//! ```text
+//! window = max(retry horizon + outage tolerance, offset rewind, dead-letter redrive,
+//!              backup restore, planned replay, custom...) + safety margin
+//! ```
+//!
+//! The policy says which scenario sets the window (its `Display` lists them all and marks
+//! that one), and refuses to exist without a scenario, with a zero duration, or with an
+//! explicit window (a storage budget) shorter than a scenario requires.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tower_inbox::retention::{RetentionError, RetentionPolicy};
+//!
+//! const DAY: Duration = Duration::from_secs(24 * 3600);
+//! let scenarios = || {
+//!     RetentionPolicy::builder()
+//!         .retry_horizon(DAY)            // producers retry for a day
+//!         .outage_tolerance(3 * DAY)     // we survive a three-day outage
+//!         .offset_rewind(7 * DAY)        // offsets may be rewound a week
+//!         .dead_letter_redrive(14 * DAY) // dead letters are redriven within two weeks
+//!         .safety_margin(DAY)
+//! };
+//! let policy = scenarios().build()?;
+//! assert_eq!(policy.window(), 15 * DAY);
+//! let report = policy.to_string();
+//! assert!(report.starts_with("retention window 15d: dead-letter redrive 14d + safety margin 1d"));
+//! assert!(report.contains("retry horizon: 1d + outage tolerance 3d = 4d"));
+//! assert!(report.contains("dead-letter redrive: 14d  <- sets the window"));
+//!
+//! // A ten-day storage budget would forget messages a redrive can still bring back.
+//! let budget = scenarios().window(10 * DAY).build();
+//! assert!(matches!(budget, Err(RetentionError::WindowTooShort { .. })));
+//! # Ok::<(), RetentionError>(())
+//! ```
+//!
+//! ## The purge
+//!
+//! A [`Purger`] deletes only what its policies no longer require, in small batches that do
+//! not block claims; [`Purger::dry_run`] reports what it would delete, per table, with the
+//! cutoffs, and deletes nothing; [`Purger::run`] is the background task. The inbox, the
+//! outbox and the quarantine each get their own policy. See [`Purger`] for exactly what is
+//! and is never deleted.
+//!
+//! ## The guard
+//!
+//! Even a correct window can be outlived: a dead letter redriven after a year. A consumer
+//! that knows when a message was produced uses a [`RetentionGuard`]: a first-seen message
+//! produced before the window may be one the inbox has forgotten, so it is quarantined
+//! instead of processed ([`GuardedClaim::Expired`]). The HTTP layer has no production
+//! timestamp and relies on the window alone.
+//!
+//! ## Partitioning the inbox by time
+//!
+//! For very large inboxes, deleting row by row costs more than it should; dropping a whole
+//! partition costs almost nothing. This crate's tables are not partitioned, but an inbox can
+//! be, if the partition key is chosen right.
+//!
+//! **A unique key on a partitioned table must include the partition key**, so PostgreSQL
+//! enforces it per partition only. The primary key is the claim's concurrency control and
+//! its duplicate detection, which makes the choice of partition key a correctness decision:
+//!
+//! * **Not `received_at`.** A redelivery is received later than the original, so its
+//!   `received_at` can fall into a newer partition; the insert conflicts with nothing there
+//!   and the duplicate is claimed and applied again.
+//! * **A time derived from the message itself, the same on every copy and every retry**: the
+//!   producer's event time, or better the timestamp inside a UUIDv7 message ID (it cannot
+//!   disagree with the ID). Every copy then lands in the same partition and conflicts with
+//!   the original there.
+//! * That column becomes part of the primary key: `(consumer_name, producer_name,
+//!   tenant_id, message_id, message_time)`. With an event time carried beside the ID, two
+//!   copies of one ID with different times would be two rows: the producer must never
+//!   change it, which is why a time derived from the ID is the safer choice. It must be a
+//!   plain column (PostgreSQL allows neither a generated column nor an expression in a
+//!   partition key that a primary key has to include), so the claim must supply it.
+//! * Keep `processed_at` out of the key and out of every index, as now, so recording stays
+//!   a HOT update.
+//! * Drop a partition only when its **whole range** is older than the window, measured by
+//!   that message time. A message produced long ago may have been processed recently; its
+//!   row goes with the partition, which is why the next point is not optional.
+//! * **The guard must refuse every message whose time falls in a dropped range.** Because
+//!   partitions are dropped only past the window, a guard with the same window does this.
+//!   Create no default partition (it would accept such a message as new); create partitions
+//!   ahead of time, so a message from the near future has one (an insert with no partition
+//!   fails, which is safe but refuses work).
+//!
+//! The claim function shipped in the migrations inserts no message time; a partitioned
+//! inbox needs a claim that passes one, and that is not in this version.
+
+mod guard;
+mod policy;
+mod purge;
+mod sql;
+
+pub use guard::{ExpiredMessage, GuardedClaim, RetentionGuard};
+pub use policy::{
+    HumanDuration, RedeliveryPath, RetentionError, RetentionPolicy, RetentionPolicyBuilder,
+    Scenario, MAX_HORIZON,
+};
+pub use purge::{PurgeError, PurgeReport, PurgedTable, Purger, PurgerBuilder, TablePurge};

@@ -1,0 +1,525 @@
+//! Deletes what the retention policies no longer require, in small batches.
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use ::metrics::Label;
+use sqlx::{PgPool, Postgres, Transaction};
+use time::OffsetDateTime;
+use tokio::time::MissedTickBehavior;
+use tracing::Instrument;
+
+use super::policy::{check_duration, RetentionError, RetentionPolicy};
+use super::sql;
+use crate::inbox::InboxError;
+use crate::metrics::{count, INBOX_PURGED, OUTBOX_PURGED, QUARANTINE_PURGED};
+
+/// A table the purge deletes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PurgedTable {
+    /// Processed inbox rows (the [inbox policy](PurgerBuilder::inbox)).
+    ConsumerInbox,
+    /// Records of attempts that rolled back (the inbox policy).
+    ConsumerInboxFailure,
+    /// Delivered effects, and dead ones that were discarded (the
+    /// [outbox policy](PurgerBuilder::outbox)).
+    MessageOutbox,
+    /// Decided quarantine items (the [quarantine policy](PurgerBuilder::quarantine)).
+    InboxQuarantine,
+}
+
+impl PurgedTable {
+    /// The table's name, also the `table` label of [`INBOX_PURGED`].
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::ConsumerInbox => "consumer_inbox",
+            Self::ConsumerInboxFailure => "consumer_inbox_failure",
+            Self::MessageOutbox => "message_outbox",
+            Self::InboxQuarantine => "inbox_quarantine",
+        }
+    }
+
+    fn count_purged(self, rows: u64) {
+        match self {
+            Self::ConsumerInbox | Self::ConsumerInboxFailure => {
+                count(INBOX_PURGED, &[Label::new("table", self.as_str())], rows);
+            }
+            Self::MessageOutbox => count(OUTBOX_PURGED, &[], rows),
+            Self::InboxQuarantine => count(QUARANTINE_PURGED, &[], rows),
+        }
+    }
+}
+
+impl fmt::Display for PurgedTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What one purge (or dry run) did to one table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TablePurge {
+    /// The table.
+    pub table: PurgedTable,
+    /// Rows older than this (on the database's clock) were eligible: now minus the window.
+    pub cutoff: OffsetDateTime,
+    /// Rows deleted, or that a dry run would delete.
+    pub rows: u64,
+    /// Delete statements run (none in a dry run).
+    pub batches: u64,
+}
+
+/// What one purge (or dry run) did, per table.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PurgeReport {
+    /// Whether this was a dry run: counted, nothing deleted.
+    pub dry_run: bool,
+    /// One entry per table, in the order purged.
+    pub tables: Vec<TablePurge>,
+}
+
+impl PurgeReport {
+    /// The entry for `table`, if its policy was set.
+    pub fn table(&self, table: PurgedTable) -> Option<&TablePurge> {
+        self.tables.iter().find(|t| t.table == table)
+    }
+
+    /// Rows deleted (or that would be) from `table`; 0 when it was not purged.
+    pub fn rows(&self, table: PurgedTable) -> u64 {
+        self.table(table).map_or(0, |t| t.rows)
+    }
+
+    /// Rows deleted (or that would be) from all tables.
+    pub fn total_rows(&self) -> u64 {
+        self.tables.iter().map(|t| t.rows).sum()
+    }
+}
+
+impl fmt::Display for PurgeReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let verb = if self.dry_run {
+            "would delete"
+        } else {
+            "deleted"
+        };
+        let mut first = true;
+        for t in &self.tables {
+            if !first {
+                writeln!(f)?;
+            }
+            first = false;
+            write!(
+                f,
+                "{}: {verb} {} rows older than {}",
+                t.table, t.rows, t.cutoff
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// A purge that failed part way. The batches before the failure are committed (and
+/// counted in the metrics); nothing else was touched.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "retention purge of {table} failed after {deleted} rows were deleted in this run: {source}"
+)]
+pub struct PurgeError {
+    /// The table being purged when it failed.
+    pub table: PurgedTable,
+    /// Rows this run had deleted before the failure, all tables together.
+    pub deleted: u64,
+    /// What failed.
+    #[source]
+    pub source: InboxError,
+}
+
+/// One set of purgeable rows: its dry-run count and its batch delete, built from one
+/// predicate in `sql.rs`.
+#[derive(Debug, Clone, Copy)]
+struct Statement {
+    count: &'static str,
+    delete: &'static str,
+}
+
+#[derive(Debug, Clone)]
+struct Target {
+    table: PurgedTable,
+    window: Duration,
+    statements: &'static [Statement],
+}
+
+const INBOX: &[Statement] = &[Statement {
+    count: sql::INBOX_COUNT,
+    delete: sql::INBOX_DELETE,
+}];
+const FAILURES: &[Statement] = &[Statement {
+    count: sql::FAILURES_COUNT,
+    delete: sql::FAILURES_DELETE,
+}];
+const OUTBOX: &[Statement] = &[
+    Statement {
+        count: sql::DELIVERED_COUNT,
+        delete: sql::DELIVERED_DELETE,
+    },
+    Statement {
+        count: sql::DISCARDED_COUNT,
+        delete: sql::DISCARDED_DELETE,
+    },
+];
+const QUARANTINE: &[Statement] = &[Statement {
+    count: sql::DECIDED_COUNT,
+    delete: sql::DECIDED_DELETE,
+}];
+
+/// Deletes what the retention policies no longer require: processed inbox rows and old
+/// failure records ([`inbox`](PurgerBuilder::inbox)), delivered and discarded outbox effects
+/// ([`outbox`](PurgerBuilder::outbox)), decided quarantine items
+/// ([`quarantine`](PurgerBuilder::quarantine)); each table only if its policy is set.
+///
+/// Each batch is its own short transaction: it selects up to
+/// [`batch_size`](PurgerBuilder::batch_size) eligible rows oldest first with `FOR UPDATE
+/// SKIP LOCKED` and deletes them, under a bounded `lock_timeout`. It never waits on a row a
+/// claim holds, and it never holds many rows for long. Several purgers (one per instance)
+/// may run at once: they skip each other's rows.
+///
+/// What it never deletes:
+/// * an inbox row that is in flight (`processed_at is null`), or processed or received
+///   within the window;
+/// * an inbox or failure row that an open quarantine item refers to;
+/// * a pending effect, a dead one that is not discarded, or one whose item is open;
+/// * an open quarantine item; a failing command decided `repair` that has not recovered;
+///   an item about an effect still in the outbox and not delivered.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use tower_inbox::retention::{Purger, RetentionPolicy};
+///
+/// # async fn start(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// const DAY: Duration = Duration::from_secs(24 * 3600);
+/// let inbox = RetentionPolicy::builder()
+///     .retry_horizon(DAY)
+///     .dead_letter_redrive(14 * DAY)
+///     .safety_margin(DAY)
+///     .build()?;
+/// let purger = Purger::builder(pool).inbox(inbox).build()?;
+/// println!("{}", purger.dry_run().await?); // what it would delete, per table
+/// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+/// let task = tokio::spawn(purger.run(Duration::from_secs(600), async {
+///     let _ = stopped.await;
+/// }));
+/// // ... on shutdown:
+/// let _ = stop.send(());
+/// task.await??;
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Purger {
+    pool: PgPool,
+    targets: Vec<Target>,
+    batch_size: i64,
+    lock_timeout: String,
+}
+
+/// Configures a [`Purger`].
+#[derive(Debug)]
+#[must_use]
+pub struct PurgerBuilder {
+    pool: PgPool,
+    inbox: Option<Duration>,
+    outbox: Option<Duration>,
+    quarantine: Option<Duration>,
+    batch_size: u32,
+    lock_timeout: Duration,
+}
+
+/// The largest batch accepted: batches must stay short.
+const MAX_BATCH: u32 = 10_000;
+/// The longest lock wait accepted.
+const MAX_LOCK_TIMEOUT: Duration = Duration::from_secs(60);
+
+impl Purger {
+    /// A purger over `pool` with no policy yet. Defaults: batches of 200 rows, a lock
+    /// timeout of one second.
+    pub fn builder(pool: PgPool) -> PurgerBuilder {
+        PurgerBuilder {
+            pool,
+            inbox: None,
+            outbox: None,
+            quarantine: None,
+            batch_size: 200,
+            lock_timeout: Duration::from_secs(1),
+        }
+    }
+}
+
+impl PurgerBuilder {
+    /// Purge `consumer_inbox` (processed rows received and processed before the window) and
+    /// `consumer_inbox_failure` (last failure before the window).
+    pub fn inbox(mut self, policy: RetentionPolicy) -> Self {
+        self.inbox = Some(policy.window());
+        self
+    }
+
+    /// Purge `message_outbox`: effects delivered before the window, and dead effects
+    /// discarded before it.
+    ///
+    /// The outbox row is the record of what was sent and what the receiver answered; size
+    /// this window for how long that evidence is needed (audits, the receiver's own
+    /// deduplication window).
+    pub fn outbox(mut self, policy: RetentionPolicy) -> Self {
+        self.outbox = Some(policy.window());
+        self
+    }
+
+    /// Purge `inbox_quarantine`: items decided (and recovered, if they were) before the
+    /// window.
+    pub fn quarantine(mut self, policy: RetentionPolicy) -> Self {
+        self.quarantine = Some(policy.window());
+        self
+    }
+
+    /// Rows per batch, 1 to 10 000 (default 200). Each batch holds its rows' locks only for
+    /// its own short transaction.
+    pub fn batch_size(mut self, rows: u32) -> Self {
+        self.batch_size = rows;
+        self
+    }
+
+    /// The longest a batch waits for a lock (default 1 s, at most 60 s); past it the batch
+    /// fails and the purge reports an error instead of queueing behind, say, a migration.
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout;
+        self
+    }
+
+    /// Checks the settings.
+    pub fn build(self) -> Result<Purger, RetentionError> {
+        if self.batch_size == 0 || self.batch_size > MAX_BATCH {
+            return Err(RetentionError::BadLimit("batch size must be 1 to 10000"));
+        }
+        // Zero would mean "wait forever" to PostgreSQL.
+        check_duration("the lock timeout", self.lock_timeout)?;
+        if self.lock_timeout > MAX_LOCK_TIMEOUT {
+            return Err(RetentionError::BadLimit(
+                "the lock timeout must be at most 60 s",
+            ));
+        }
+        let mut targets = Vec::new();
+        if let Some(window) = self.inbox {
+            targets.push(Target {
+                table: PurgedTable::ConsumerInbox,
+                window,
+                statements: INBOX,
+            });
+            targets.push(Target {
+                table: PurgedTable::ConsumerInboxFailure,
+                window,
+                statements: FAILURES,
+            });
+        }
+        // The outbox before the quarantine: a discard decision is what lets a dead effect
+        // go, and the item is kept while its effect is still there.
+        if let Some(window) = self.outbox {
+            targets.push(Target {
+                table: PurgedTable::MessageOutbox,
+                window,
+                statements: OUTBOX,
+            });
+        }
+        if let Some(window) = self.quarantine {
+            targets.push(Target {
+                table: PurgedTable::InboxQuarantine,
+                window,
+                statements: QUARANTINE,
+            });
+        }
+        if targets.is_empty() {
+            return Err(RetentionError::NothingToPurge);
+        }
+        Ok(Purger {
+            pool: self.pool,
+            targets,
+            batch_size: i64::from(self.batch_size),
+            lock_timeout: format!("{}ms", self.lock_timeout.as_millis().max(1)),
+        })
+    }
+}
+
+impl Purger {
+    /// Deletes every eligible row, batch by batch, table by table. Rows that become
+    /// eligible while it runs are left for the next run: each table's cutoff is fixed when
+    /// its pass starts.
+    pub async fn purge(&self) -> Result<PurgeReport, PurgeError> {
+        self.pass(false).await
+    }
+
+    /// Counts what [`purge`](Self::purge) would delete now, per table, with the cutoffs;
+    /// deletes nothing and takes no row locks. Its lock waits are bounded like the purge's.
+    pub async fn dry_run(&self) -> Result<PurgeReport, PurgeError> {
+        self.pass(true).await
+    }
+
+    /// Purges now and then every `period` until `shutdown` completes, like a session
+    /// store's expired-session deletion task.
+    ///
+    /// A failed run is logged and the next one comes a period later: a database outage
+    /// neither ends the task nor makes it spin. A run that takes longer than the period
+    /// delays the next one rather than bunching runs up. On shutdown it stops at once; a
+    /// batch in flight rolls back (each batch is its own transaction, so nothing is left
+    /// half done). The only error is a zero `period`.
+    pub async fn run(
+        self,
+        period: Duration,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), RetentionError> {
+        check_duration("the purge period", period)?;
+        let mut ticks = tokio::time::interval(period);
+        ticks.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                biased;
+                () = &mut shutdown => return Ok(()),
+                _ = ticks.tick() => {}
+            }
+            let result = tokio::select! {
+                biased;
+                () = &mut shutdown => return Ok(()),
+                result = self.purge() => result,
+            };
+            match result {
+                Ok(report) if report.total_rows() > 0 => {
+                    tracing::info!(rows = report.total_rows(), "retention purge deleted rows");
+                }
+                Ok(_) => tracing::debug!("retention purge found nothing to delete"),
+                Err(err) => tracing::warn!(
+                    error = %err,
+                    table = %err.table,
+                    ?period,
+                    "retention purge failed; trying again next period"
+                ),
+            }
+        }
+    }
+
+    async fn pass(&self, dry_run: bool) -> Result<PurgeReport, PurgeError> {
+        let mut report = PurgeReport {
+            dry_run,
+            tables: Vec::with_capacity(self.targets.len()),
+        };
+        for target in &self.targets {
+            let span = tracing::info_span!(
+                "retention.purge",
+                table = target.table.as_str(),
+                cutoff = tracing::field::Empty,
+                rows = tracing::field::Empty,
+                dry_run,
+            );
+            let purged = self
+                .purge_table(target, dry_run)
+                .instrument(span)
+                .await
+                .map_err(|(source, rows)| PurgeError {
+                    table: target.table,
+                    deleted: report.total_rows() + rows,
+                    source,
+                })?;
+            report.tables.push(purged);
+        }
+        Ok(report)
+    }
+
+    /// One table, in the current `retention.purge` span. On failure, also the rows it had
+    /// deleted.
+    async fn purge_table(
+        &self,
+        target: &Target,
+        dry_run: bool,
+    ) -> Result<TablePurge, (InboxError, u64)> {
+        let span = tracing::Span::current();
+        let cutoff: OffsetDateTime = sqlx::query_scalar(sql::CUTOFF)
+            .bind(target.window.as_secs_f64())
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| (InboxError::classify(e), 0))?;
+        span.record("cutoff", tracing::field::display(cutoff));
+        let mut purged = TablePurge {
+            table: target.table,
+            cutoff,
+            rows: 0,
+            batches: 0,
+        };
+        for statement in target.statements {
+            if dry_run {
+                let rows = self
+                    .count_rows(statement.count, cutoff)
+                    .await
+                    .map_err(|e| (e, 0))?;
+                purged.rows += rows;
+                continue;
+            }
+            loop {
+                let rows = self
+                    .delete_batch(statement.delete, cutoff)
+                    .await
+                    .map_err(|e| (e, purged.rows))?;
+                target.table.count_purged(rows);
+                purged.rows += rows;
+                purged.batches += 1;
+                // A short batch means the set is exhausted, or what is left is locked by
+                // someone else right now: either way, the next run takes it.
+                if rows < self.batch_size.unsigned_abs() {
+                    break;
+                }
+            }
+        }
+        span.record("rows", purged.rows);
+        Ok(purged)
+    }
+
+    /// A transaction whose lock waits are bounded by the lock timeout.
+    async fn begin(&self) -> Result<Transaction<'static, Postgres>, InboxError> {
+        let mut tx = self.pool.begin().await.map_err(InboxError::classify)?;
+        sqlx::query(sql::LOCK_TIMEOUT)
+            .bind(&self.lock_timeout)
+            .execute(&mut *tx)
+            .await
+            .map_err(InboxError::classify)?;
+        Ok(tx)
+    }
+
+    /// Counts without locking rows.
+    async fn count_rows(
+        &self,
+        statement: &'static str,
+        cutoff: OffsetDateTime,
+    ) -> Result<u64, InboxError> {
+        let mut tx = self.begin().await?;
+        let rows: i64 = sqlx::query_scalar(statement)
+            .bind(cutoff)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(InboxError::classify)?;
+        tx.rollback().await.map_err(InboxError::classify)?;
+        Ok(u64::try_from(rows).unwrap_or(0))
+    }
+
+    async fn delete_batch(
+        &self,
+        statement: &'static str,
+        cutoff: OffsetDateTime,
+    ) -> Result<u64, InboxError> {
+        let mut tx = self.begin().await?;
+        let deleted = sqlx::query(statement)
+            .bind(cutoff)
+            .bind(self.batch_size)
+            .execute(&mut *tx)
+            .await
+            .map_err(InboxError::classify)?
+            .rows_affected();
+        tx.commit().await.map_err(InboxError::classify)?;
+        Ok(deleted)
+    }
+}

@@ -1,0 +1,146 @@
+//! The retention statements, next to `migrations/20261203000001_retention.sql` (indexes and
+//! the `expired-message` quarantine source).
+//!
+//! Each purgeable set is written once, as a `from ... where ...` fragment over `$1` (the
+//! cutoff), and both its dry-run count and its batch delete are built from that fragment:
+//! a dry run counts exactly the rows the purge would delete.
+
+/// The cutoff of a window of `$1` seconds, on the database's clock (the one that wrote
+/// `received_at`, `delivered_at` and `decided_at`).
+pub(crate) const CUTOFF: &str = "select now() - make_interval(secs => $1)";
+
+/// Bounds every lock wait of the batch's transaction, so a purge never queues behind (and
+/// holds up claims behind) a lock it cannot get soon.
+pub(crate) const LOCK_TIMEOUT: &str = "select set_config('lock_timeout', $1, true)";
+
+/// No open quarantine item refers to the command of row `i` (any source: a conflict, a
+/// failing command, a dead effect of it). Deleting that row would drop what the item is
+/// about while a person still has to decide on it.
+macro_rules! no_open_item {
+    () => {
+        "not exists ( \
+             select 1 from inbox_quarantine q \
+             where q.decision is null and q.consumer_name = i.consumer_name \
+               and q.producer_name = i.producer_name and q.tenant_id = i.tenant_id \
+               and q.message_id = i.message_id)"
+    };
+}
+
+/// Processed inbox rows past the cutoff that no open quarantine item refers to. In-flight
+/// rows (`processed_at is null`) never match. `received_at` drives the index scan;
+/// `processed_at` is only filtered, never indexed, so recording stays a HOT update.
+macro_rules! inbox_expired {
+    () => {
+        concat!(
+            "from consumer_inbox i \
+             where i.received_at < $1 and i.processed_at < $1 and ",
+            no_open_item!()
+        )
+    };
+}
+
+/// Failure records whose last failure is past the cutoff, unless an open quarantine item
+/// refers to the same command.
+macro_rules! failures_expired {
+    () => {
+        concat!(
+            "from consumer_inbox_failure i where i.last_failed_at < $1 and ",
+            no_open_item!()
+        )
+    };
+}
+
+/// Effects delivered before the cutoff.
+macro_rules! delivered_expired {
+    () => {
+        "from message_outbox o \
+         where o.status = 'delivered' and o.delivered_at < $1"
+    };
+}
+
+/// Dead effects whose quarantine item was discarded before the cutoff, and that have no
+/// open item (a dead effect reopened since).
+macro_rules! discarded_expired {
+    () => {
+        "from message_outbox o \
+         where o.status = 'dead' \
+           and exists ( \
+               select 1 from inbox_quarantine q \
+               where q.effect_id = o.effect_id and q.source = 'dead-effect' \
+                 and q.decision = 'discard' and q.decided_at < $1) \
+           and not exists ( \
+               select 1 from inbox_quarantine q \
+               where q.effect_id = o.effect_id and q.decision is null)"
+    };
+}
+
+/// Decided quarantine items whose decision (and recovery, if any) is past the cutoff. Kept
+/// regardless of age:
+/// * a failing command decided `repair` and not recovered: its recovery (a retry that
+///   commits) is still expected, and an operator must be able to see that it never came;
+/// * an item about an effect still in the outbox and not delivered: a repaired effect
+///   awaiting delivery (its recovery), or a dead one whose discard decision is the reason
+///   the outbox purge may delete it.
+macro_rules! decided_expired {
+    () => {
+        "from inbox_quarantine q \
+         where q.decision is not null and q.decided_at < $1 \
+           and coalesce(q.recovered_at, q.decided_at) < $1 \
+           and not (q.source = 'handler-failure' and q.decision = 'repair' \
+                    and q.recovered_at is null) \
+           and not (q.source = 'dead-effect' and exists ( \
+               select 1 from message_outbox o \
+               where o.effect_id = q.effect_id and o.status <> 'delivered'))"
+    };
+}
+
+/// Declares the dry-run count and the batch delete of one purgeable set. The delete takes up
+/// to `$2` rows of the set, oldest first, and skips rows another transaction holds (a
+/// duplicate claim reading one, another purger): it never waits on a row lock.
+macro_rules! purgeable {
+    (
+        $count:ident, $delete:ident: $table:literal as $alias:literal by $key:literal,
+        rows $set:ident, oldest $order:literal
+    ) => {
+        pub(crate) const $count: &str = concat!("select count(*) ", $set!());
+        pub(crate) const $delete: &str = concat!(
+            "delete from ",
+            $table,
+            " where (",
+            $key,
+            ") in (select ",
+            $key,
+            " ",
+            $set!(),
+            " order by ",
+            $order,
+            " limit $2 for update of ",
+            $alias,
+            " skip locked)"
+        );
+    };
+}
+
+purgeable!(
+    INBOX_COUNT, INBOX_DELETE: "consumer_inbox" as "i"
+        by "consumer_name, producer_name, tenant_id, message_id",
+    rows inbox_expired, oldest "received_at"
+);
+purgeable!(
+    FAILURES_COUNT, FAILURES_DELETE: "consumer_inbox_failure" as "i"
+        by "consumer_name, producer_name, tenant_id, message_id",
+    rows failures_expired, oldest "last_failed_at"
+);
+purgeable!(
+    DELIVERED_COUNT, DELIVERED_DELETE: "message_outbox" as "o" by "effect_id",
+    rows delivered_expired, oldest "delivered_at"
+);
+// Dead rows have no death time; they are few, any order will do.
+purgeable!(
+    DISCARDED_COUNT, DISCARDED_DELETE: "message_outbox" as "o" by "effect_id",
+    rows discarded_expired, oldest "effect_id"
+);
+purgeable!(
+    DECIDED_COUNT, DECIDED_DELETE: "inbox_quarantine" as "q" by "id",
+    rows decided_expired, oldest "decided_at"
+);
