@@ -11,7 +11,8 @@
 //! `CREDITS_WEBHOOK_URL` set, every first-seen credit also enqueues a webhook effect that an
 //! in-process dispatcher delivers (`CREDITS_WEBHOOK_TIMEOUT_MS`, default 5000). `GET /metrics`
 //! serves every metric in the Prometheus text format; a stats task refreshes the inbox,
-//! outbox and quarantine gauges every 15 s. Without
+//! outbox and quarantine gauges every 15 s, and a purge task deletes what the retention
+//! policies no longer need every ten minutes. Without
 //! `DATABASE_URL` it uses the local PostgreSQL on 127.0.0.1:5432, or starts a throwaway one
 //! from the local binaries, like the tests.
 
@@ -25,6 +26,7 @@ use std::time::Duration;
 
 use sqlx::postgres::PgPoolOptions;
 use tower_inbox::metrics::StatsTask;
+use tower_inbox::retention::{Purger, RetentionPolicy};
 use tower_inbox::outbox::{Dispatcher, HttpTransport};
 use tracing_subscriber::EnvFilter;
 
@@ -94,6 +96,28 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             prometheus.run_upkeep();
         }
     });
+    // Retention from the ways a command can come back, not a TTL: clients retry for up to a
+    // day, and an outage of up to a day holds their retries back. Delivered webhooks and
+    // decided quarantine items are kept for audits. The purge runs every ten minutes.
+    const DAY: Duration = Duration::from_secs(24 * 3600);
+    let inbox_retention = RetentionPolicy::builder()
+        .retry_horizon(DAY)
+        .outage_tolerance(DAY)
+        .safety_margin(DAY)
+        .build()?;
+    let audit = |days: u32| {
+        RetentionPolicy::builder()
+            .custom("audit", DAY * days)
+            .safety_margin(DAY)
+            .build()
+    };
+    tracing::info!("inbox retention:\n{inbox_retention}");
+    let purger = Purger::builder(pool.clone())
+        .inbox(inbox_retention)
+        .outbox(audit(7)?)
+        .quarantine(audit(30)?)
+        .build()?;
+    tokio::spawn(purger.run(Duration::from_secs(600), std::future::pending::<()>()));
     // Inbox size and age, outbox backlog and open quarantine items, every 15 s.
     tokio::spawn(
         StatsTask::new(pool.clone()).run(Duration::from_secs(15), std::future::pending::<()>()),
