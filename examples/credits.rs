@@ -26,8 +26,8 @@ use std::time::Duration;
 
 use sqlx::postgres::PgPoolOptions;
 use tower_inbox::metrics::StatsTask;
-use tower_inbox::retention::{Purger, RetentionPolicy};
 use tower_inbox::outbox::{Dispatcher, HttpTransport};
+use tower_inbox::retention::{Purger, RetentionPolicy};
 use tracing_subscriber::EnvFilter;
 
 #[tokio::main]

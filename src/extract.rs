@@ -4,11 +4,7 @@ use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
 use axum::extract::{FromRequestParts, OptionalFromRequestParts};
-use futures_util::future::BoxFuture;
-use futures_util::stream::BoxStream;
 use http::request::Parts;
-use sqlx::postgres::{PgQueryResult, PgRow, PgTypeInfo};
-use sqlx::{Database, Describe, Either, Execute, Executor, Postgres};
 use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 
 use crate::identity::MessageIdentity;
@@ -43,7 +39,7 @@ impl TxSlot {
 /// The transaction the inbox layer claimed the request's message in.
 ///
 /// Run the business writes on it and they commit atomically with the claim and the recorded
-/// response, or not at all. `&mut *tx` (or `&mut tx`) is an sqlx executor:
+/// response, or not at all. `&mut *tx` is an sqlx executor:
 ///
 /// ```
 /// use axum::{extract::Path, http::StatusCode, Json};
@@ -67,8 +63,7 @@ impl TxSlot {
 /// Do not commit, roll back or keep it: the layer decides from the response status, and a
 /// handle still alive after the handler answered makes the layer roll back and answer `500`.
 ///
-/// **Serialization failures and deadlocks.** Statements run through `&mut *tx` or `&mut tx`
-/// are watched: when one fails with `40001` or `40P01`, the layer rolls the transaction back
+/// **Serialization failures and deadlocks.** Statements run through `&mut *tx` are watched: when one fails with `40001` or `40P01`, the layer rolls the transaction back
 /// and runs the handler again with the same request (bounded by
 /// [`transient_retry`](crate::InboxLayerBuilder::transient_retry)), whatever the handler
 /// answered. It dereferences further to the plain [`PgConnection`](sqlx::PgConnection) for functions that take
@@ -124,53 +119,6 @@ impl Deref for InboxTx {
 impl DerefMut for InboxTx {
     fn deref_mut(&mut self) -> &mut ClaimedMessage {
         &mut self.guard
-    }
-}
-
-impl<'c> Executor<'c> for &'c mut InboxTx {
-    type Database = Postgres;
-
-    fn fetch_many<'e, 'q: 'e, E>(
-        self,
-        query: E,
-    ) -> BoxStream<'e, Result<Either<PgQueryResult, PgRow>, sqlx::Error>>
-    where
-        'c: 'e,
-        E: 'q + Execute<'q, Postgres>,
-    {
-        (&mut *self.guard).fetch_many(query)
-    }
-
-    fn fetch_optional<'e, 'q: 'e, E>(
-        self,
-        query: E,
-    ) -> BoxFuture<'e, Result<Option<PgRow>, sqlx::Error>>
-    where
-        'c: 'e,
-        E: 'q + Execute<'q, Postgres>,
-    {
-        (&mut *self.guard).fetch_optional(query)
-    }
-
-    fn prepare_with<'e, 'q: 'e>(
-        self,
-        sql: &'q str,
-        parameters: &'e [PgTypeInfo],
-    ) -> BoxFuture<'e, Result<<Postgres as Database>::Statement<'q>, sqlx::Error>>
-    where
-        'c: 'e,
-    {
-        (&mut *self.guard).prepare_with(sql, parameters)
-    }
-
-    fn describe<'e, 'q: 'e>(
-        self,
-        sql: &'q str,
-    ) -> BoxFuture<'e, Result<Describe<Postgres>, sqlx::Error>>
-    where
-        'c: 'e,
-    {
-        (&mut *self.guard).describe(sql)
     }
 }
 

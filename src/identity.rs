@@ -91,6 +91,20 @@ fn check_scope_name(what: &str, name: &str) -> Result<(), ProducerError> {
     Ok(())
 }
 
+/// Binds an identity's key columns `(consumer, producer, tenant, message ID)`, in primary-key
+/// order, to the query's next four parameters.
+macro_rules! bind_identity {
+    ($query:expr, $identity:expr) => {{
+        let identity: &$crate::identity::MessageIdentity = $identity;
+        $query
+            .bind(identity.consumer())
+            .bind(identity.producer().name())
+            .bind(identity.tenant_column())
+            .bind(identity.message_id().as_str())
+    }};
+}
+pub(crate) use bind_identity;
+
 /// The full identity of one message: `(consumer, producer, tenant, message ID)`, the inbox's
 /// primary key.
 #[derive(Clone, PartialEq, Eq, Hash)]

@@ -38,7 +38,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 use time::OffsetDateTime;
 
-use crate::identity::MessageIdentity;
+use crate::identity::{bind_identity, MessageIdentity};
 use crate::inbox::InboxError;
 
 /// Where a quarantined item came from.
@@ -237,11 +237,7 @@ impl Quarantine {
             "select {COLUMNS} from inbox_quarantine where consumer_name = $1 and producer_name = $2 \
              and tenant_id = $3 and message_id = $4 order by id"
         );
-        let rows = sqlx::query(&sql)
-            .bind(identity.consumer())
-            .bind(identity.producer().name())
-            .bind(identity.tenant_column())
-            .bind(identity.message_id().as_str())
+        let rows = bind_identity!(sqlx::query(&sql), &identity)
             .fetch_all(&self.pool)
             .await
             .map_err(InboxError::classify)?;

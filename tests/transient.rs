@@ -207,7 +207,7 @@ async fn a_deadlock_between_two_handlers_is_rerun_and_both_commit_once() {
                         sqlx::query("update slot set taken_by = taken_by || $2 where id = $1")
                             .bind(slot.to_string())
                             .bind(&id)
-                            .execute(&mut tx)
+                            .execute(&mut *tx)
                             .await;
                     if taken.is_err() {
                         return StatusCode::INTERNAL_SERVER_ERROR;
@@ -377,14 +377,14 @@ async fn reruns_that_run_out_answer_503_and_commit_nothing() {
                 let id = tx.identity().message_id().as_str().to_owned();
                 sqlx::query("insert into applied values ($1)")
                     .bind(id)
-                    .execute(&mut tx)
+                    .execute(&mut *tx)
                     .await
                     .expect("insert");
                 // Always conflicts: a serialization failure raised by a watched statement.
                 let failed = sqlx::query(
                     "do $$ begin raise exception 'conflict' using errcode = '40001'; end $$",
                 )
-                .execute(&mut tx)
+                .execute(&mut *tx)
                 .await;
                 assert!(failed.is_err());
                 StatusCode::INTERNAL_SERVER_ERROR

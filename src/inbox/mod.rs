@@ -41,7 +41,7 @@ use sqlx::{Postgres, Row, Transaction};
 use tracing::Instrument;
 
 use crate::fingerprint::Fingerprint;
-use crate::identity::MessageIdentity;
+use crate::identity::{bind_identity, MessageIdentity};
 use crate::metrics::{self as m, MetricLabels};
 use crate::quarantine::{identity_item_key, QuarantineSource};
 
@@ -360,11 +360,7 @@ impl Inbox {
         let fingerprint_hex = fingerprint.to_hex();
         let wait_ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
         let started = Instant::now();
-        let row = sqlx::query(sql::CLAIM)
-            .bind(consumer)
-            .bind(identity.producer().name())
-            .bind(identity.tenant_column())
-            .bind(identity.message_id().as_str())
+        let row = bind_identity!(sqlx::query(sql::CLAIM), &identity)
             .bind(&fingerprint_hex)
             .bind(handler_version)
             .bind(wait_ms)
@@ -411,11 +407,7 @@ impl Inbox {
         &self,
         identity: &MessageIdentity,
     ) -> Result<Option<InboxEntry>, InboxError> {
-        let row = sqlx::query(sql::LOOKUP)
-            .bind(identity.consumer())
-            .bind(identity.producer().name())
-            .bind(identity.tenant_column())
-            .bind(identity.message_id().as_str())
+        let row = bind_identity!(sqlx::query(sql::LOOKUP), &identity)
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| self.failed(identity.consumer(), e))?;
@@ -440,19 +432,16 @@ impl Inbox {
             reason,
         );
         let item_key = identity_item_key(QuarantineSource::HandlerFailure, identity, "");
-        let item: Option<(i64, bool)> = sqlx::query_as(sql::RECORD_FAILURE)
-            .bind(identity.consumer())
-            .bind(identity.producer().name())
-            .bind(identity.tenant_column())
-            .bind(identity.message_id().as_str())
-            .bind(fingerprint.to_hex())
-            .bind(handler_version)
-            .bind(reason)
-            .bind(i32::try_from(quarantine_after.max(1)).unwrap_or(i32::MAX))
-            .bind(item_key)
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(|e| self.failed(identity.consumer(), e))?;
+        let item: Option<(i64, bool)> =
+            bind_identity!(sqlx::query_as(sql::RECORD_FAILURE), &identity)
+                .bind(fingerprint.to_hex())
+                .bind(handler_version)
+                .bind(reason)
+                .bind(i32::try_from(quarantine_after.max(1)).unwrap_or(i32::MAX))
+                .bind(item_key)
+                .fetch_optional(&self.pool)
+                .await
+                .map_err(|e| self.failed(identity.consumer(), e))?;
         if let Some((_, true)) = item {
             quarantine_moved(QuarantineSource::HandlerFailure);
         }
@@ -490,19 +479,18 @@ impl Inbox {
         handler_version: &str,
     ) -> Result<(i64, i32), InboxError> {
         let sha = fingerprint.to_hex();
-        let (id, attempts): (i64, i32) = sqlx::query_as(sql::QUARANTINE_MESSAGE)
-            .bind(source.as_str())
-            .bind(identity_item_key(source, identity, &sha))
-            .bind(identity.consumer())
-            .bind(identity.producer().name())
-            .bind(identity.tenant_column())
-            .bind(identity.message_id().as_str())
-            .bind(&sha)
-            .bind(reason_code)
-            .bind(handler_version)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| self.failed(identity.consumer(), e))?;
+        let (id, attempts): (i64, i32) = bind_identity!(
+            sqlx::query_as(sql::QUARANTINE_MESSAGE)
+                .bind(source.as_str())
+                .bind(identity_item_key(source, identity, &sha)),
+            &identity
+        )
+        .bind(&sha)
+        .bind(reason_code)
+        .bind(handler_version)
+        .fetch_one(&self.pool)
+        .await
+        .map_err(|e| self.failed(identity.consumer(), e))?;
         if attempts == 1 {
             quarantine_moved(source);
         }
@@ -651,11 +639,7 @@ impl ClaimedMessage {
             None => (None, None, None, None),
         };
         let identity = &self.identity;
-        let recovered: Option<i64> = sqlx::query_scalar(sql::RECORD)
-            .bind(identity.consumer())
-            .bind(identity.producer().name())
-            .bind(identity.tenant_column())
-            .bind(identity.message_id().as_str())
+        let recovered: Option<i64> = bind_identity!(sqlx::query_scalar(sql::RECORD), &identity)
             .bind(status)
             .bind(names)
             .bind(values)
