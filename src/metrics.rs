@@ -211,7 +211,7 @@ pub const METRICS: &[MetricInfo] = &[
         Counter,
         &["migration", "outcome"],
         Unit::Count,
-        "compensated migration steps: outcome=applied, already-applied, conflict, in-progress, failed or database-error",
+        "compensated migration steps: outcome=applied, already-applied, conflict, in-progress, failed, rerun-exhausted or database-error",
     ),
     info(
         INBOX_ROWS,

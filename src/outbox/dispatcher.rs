@@ -414,6 +414,9 @@ impl<T: Transport> Dispatcher<T> {
             },
         };
         let id = &effect.effect_id;
+        // Quarantine items this delivery recovered: more than one when an earlier repair's
+        // redelivery died again and opened a second item before this one succeeded.
+        let mut recovered_items = 0;
         let recorded = match delivery {
             Delivery::Delivered { status, result } => {
                 span.record("outcome", "delivered");
@@ -431,6 +434,7 @@ impl<T: Transport> Dispatcher<T> {
                         let recovered: i64 = row.try_get("recovered").unwrap_or(0);
                         report.delivered = usize::from(delivered == 1);
                         report.recovered = usize::from(recovered > 0);
+                        recovered_items = recovered.unsigned_abs();
                         Ok(delivered)
                     }
                     Err(err) => Err(err),
@@ -478,9 +482,7 @@ impl<T: Transport> Dispatcher<T> {
             }
         }
         report.count_deliveries(&effect.effect_name);
-        if report.recovered > 0 {
-            quarantine_recovered(QuarantineSource::DeadEffect, 1);
-        }
+        quarantine_recovered(QuarantineSource::DeadEffect, recovered_items);
         report
     }
 
