@@ -12,7 +12,9 @@
 //! in-process dispatcher delivers (`CREDITS_WEBHOOK_TIMEOUT_MS`, default 5000). `GET /metrics`
 //! serves every metric in the Prometheus text format; a stats task refreshes the inbox,
 //! outbox and quarantine gauges every 15 s, and a purge task deletes what the retention
-//! policies no longer need every ten minutes. Without
+//! policies no longer need every ten minutes. `CREDITS_BASELINE_ROUTE=1` also serves
+//! `POST /baseline/accounts/{id}/credits`, the same credit without the layer, to measure what
+//! the layer costs (`examples/loadgen.rs`); never in production. Without
 //! `DATABASE_URL` it uses the local PostgreSQL on 127.0.0.1:5432, or starts a throwaway one
 //! from the local binaries, like the tests.
 
@@ -87,6 +89,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         webhook,
     );
 
+    // The unprotected baseline route, for measuring the layer's cost (examples/loadgen.rs).
+    let router = if std::env::var("CREDITS_BASELINE_ROUTE").is_ok_and(|v| v == "1") {
+        tracing::warn!("serving the UNPROTECTED baseline route /baseline/accounts/{{id}}/credits");
+        router.merge(app::baseline_routes(pool.clone()))
+    } else {
+        router
+    };
     // GET /metrics in the Prometheus text format; the exporter's upkeep drains histograms.
     let prometheus = app::install_prometheus()?;
     let router = app::with_metrics_route(router, prometheus.clone());

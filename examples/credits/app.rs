@@ -15,7 +15,9 @@ use std::sync::Arc;
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
 use tower_inbox::outbox::{enqueue, OutboxMessage};
 use tower_inbox::producer::TrustedHeader;
-use tower_inbox::{ConfigError, InboxLayer, InboxLayerBuilder, InboxTx};
+use tower_inbox::{
+    ConfigError, InboxLayer, InboxLayerBuilder, InboxTx, MessageIdentity, MessageKey, Producer,
+};
 
 /// The consumer name the credits service claims commands under.
 pub const CONSUMER: &str = "credits";
@@ -152,48 +154,13 @@ async fn credit(
         Ok(body) => body,
         Err(rejection) => return problem(StatusCode::UNPROCESSABLE_ENTITY, &rejection.body_text()),
     };
-    if account_id.is_empty() || account_id.len() > 128 {
-        return problem(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "account_id must be 1 to 128 bytes",
-        );
-    }
-    let balance: Result<i64, sqlx::Error> = sqlx::query_scalar(
-        "insert into credit_account (account_id, balance) values ($1, $2)
-         on conflict (account_id) do update set balance = credit_account.balance + excluded.balance
-         returning balance",
-    )
-    .bind(&account_id)
-    .bind(request.delta)
-    .fetch_one(&mut *tx)
-    .await;
-    let balance = match balance {
-        Ok(balance) => balance,
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22003") => {
-            return problem(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "the balance would overflow",
-            );
-        }
-        Err(e) => return server_error(e),
-    };
     let identity = tx.identity().clone();
-    let ledger = sqlx::query(
-        "insert into credit_ledger
-             (account_id, delta, balance_after, consumer_name, producer_name, message_id)
-         values ($1, $2, $3, $4, $5, $6)",
-    )
-    .bind(&account_id)
-    .bind(request.delta)
-    .bind(balance)
-    .bind(identity.consumer())
-    .bind(identity.producer().name())
-    .bind(identity.message_id().as_str())
-    .execute(&mut *tx)
-    .await;
-    if let Err(e) = ledger {
-        return server_error(e);
-    }
+    // `&mut *tx` is the watched executor: a serialization failure or deadlock in these
+    // statements makes the layer re-run the handler, whatever it answers.
+    let balance = match apply_credit(&mut *tx, &account_id, request.delta, &identity).await {
+        Ok(balance) => balance,
+        Err(response) => return response,
+    };
     let body = Credited {
         account_id,
         balance,
@@ -213,6 +180,114 @@ async fn credit(
             );
         }
     }
+    (StatusCode::CREATED, Json(body)).into_response()
+}
+
+/// The credit itself: add `delta` to the account and write the ledger row, on `conn` (the
+/// claimed transaction, or the baseline's own). A refusal is the response to give.
+async fn apply_credit<C>(
+    conn: &mut C,
+    account_id: &str,
+    delta: i64,
+    identity: &MessageIdentity,
+) -> Result<i64, Response>
+where
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = sqlx::Postgres>,
+{
+    if account_id.is_empty() || account_id.len() > 128 {
+        return Err(problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "account_id must be 1 to 128 bytes",
+        ));
+    }
+    let balance: Result<i64, sqlx::Error> = sqlx::query_scalar(
+        "insert into credit_account (account_id, balance) values ($1, $2)
+         on conflict (account_id) do update set balance = credit_account.balance + excluded.balance
+         returning balance",
+    )
+    .bind(account_id)
+    .bind(delta)
+    .fetch_one(&mut *conn)
+    .await;
+    let balance = match balance {
+        Ok(balance) => balance,
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22003") => {
+            return Err(problem(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "the balance would overflow",
+            ));
+        }
+        Err(e) => return Err(server_error(e)),
+    };
+    let ledger = sqlx::query(
+        "insert into credit_ledger
+             (account_id, delta, balance_after, consumer_name, producer_name, message_id)
+         values ($1, $2, $3, $4, $5, $6)",
+    )
+    .bind(account_id)
+    .bind(delta)
+    .bind(balance)
+    .bind(identity.consumer())
+    .bind(identity.producer().name())
+    .bind(identity.message_id().as_str())
+    .execute(&mut *conn)
+    .await;
+    match ledger {
+        Ok(_) => Ok(balance),
+        Err(e) => Err(server_error(e)),
+    }
+}
+
+/// The consumer name the unprotected baseline writes its ledger rows under.
+pub const BASELINE_CONSUMER: &str = "credits-baseline";
+
+/// `POST /baseline/accounts/{account_id}/credits`: the same credit in a transaction of its
+/// own, **without** the inbox layer: a retry credits again. It exists to measure what the
+/// layer costs (`examples/loadgen.rs`, `benches/`), and is only served when asked for.
+pub fn baseline_routes(pool: PgPool) -> Router {
+    Router::new()
+        .route(
+            "/baseline/accounts/{account_id}/credits",
+            post(baseline_credit),
+        )
+        .with_state(pool)
+}
+
+async fn baseline_credit(
+    State(pool): State<PgPool>,
+    Path(account_id): Path<String>,
+    headers: axum::http::HeaderMap,
+    body: Result<Json<CreditRequest>, JsonRejection>,
+) -> Response {
+    let Json(request) = match body {
+        Ok(body) => body,
+        Err(rejection) => return problem(StatusCode::UNPROCESSABLE_ENTITY, &rejection.body_text()),
+    };
+    // The same ledger columns as the layered route, so both write the same rows.
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let identity = match (
+        Producer::new(header("x-producer").unwrap_or("baseline")),
+        MessageKey::new(header("idempotency-key").unwrap_or("none")),
+    ) {
+        (Ok(producer), Ok(key)) => MessageIdentity::new(BASELINE_CONSUMER, producer, key),
+        _ => return problem(StatusCode::BAD_REQUEST, "bad x-producer or idempotency-key"),
+    };
+    let mut tx = match pool.begin().await {
+        Ok(tx) => tx,
+        Err(e) => return server_error(e),
+    };
+    let balance = match apply_credit(&mut *tx, &account_id, request.delta, &identity).await {
+        Ok(balance) => balance,
+        Err(response) => return response,
+    };
+    if let Err(e) = tx.commit().await {
+        return server_error(e);
+    }
+    let body = Credited {
+        account_id,
+        balance,
+        delta: request.delta,
+    };
     (StatusCode::CREATED, Json(body)).into_response()
 }
 
