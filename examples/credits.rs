@@ -11,7 +11,7 @@
 //! `CREDITS_WEBHOOK_URL` set, every first-seen credit also enqueues a webhook effect that an
 //! in-process dispatcher delivers (`CREDITS_WEBHOOK_TIMEOUT_MS`, default 5000). `GET /metrics`
 //! serves every metric in the Prometheus text format; a stats task refreshes the inbox,
-//! outbox and quarantine gauges every 15 s, and a purge task deletes what the retention
+//! outbox and quarantine gauges every minute, and a purge task deletes what the retention
 //! policies no longer need every ten minutes. `CREDITS_BASELINE_ROUTE=1` also serves
 //! `POST /baseline/accounts/{id}/credits`, the same credit without the layer, to measure what
 //! the layer costs (`examples/loadgen.rs`); never in production. Without
@@ -127,9 +127,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         .quarantine(audit(30)?)
         .build()?;
     tokio::spawn(purger.run(Duration::from_secs(600), std::future::pending::<()>()));
-    // Inbox size and age, outbox backlog and open quarantine items, every 15 s.
+    // Inbox size and age, outbox backlog and open quarantine items, every minute: counting
+    // rows scans the inbox, so a large one wants minutes, not seconds.
     tokio::spawn(
-        StatsTask::new(pool.clone()).run(Duration::from_secs(15), std::future::pending::<()>()),
+        StatsTask::new(pool.clone()).run(Duration::from_secs(60), std::future::pending::<()>()),
     );
 
     let listener = tokio::net::TcpListener::bind(bind).await?;

@@ -35,14 +35,19 @@ impl Default for TransientRetry {
 
 impl TransientRetry {
     /// At most `max_attempts` attempts in all (at least 1), backing off from `base` up to
-    /// `cap`.
+    /// `cap`. Both are clamped to [`MAX_DELAY`](Self::MAX_DELAY): a re-run waits while its
+    /// client does.
     pub fn new(max_attempts: u32, base: Duration, cap: Duration) -> Self {
+        let base = base.min(Self::MAX_DELAY);
         Self {
             max_attempts: max_attempts.max(1),
             base,
-            cap: cap.max(base),
+            cap: cap.clamp(base, Self::MAX_DELAY),
         }
     }
+
+    /// The longest delay between two runs: one minute.
+    pub const MAX_DELAY: Duration = Duration::from_secs(60);
 
     /// One attempt, no re-run.
     pub fn never() -> Self {

@@ -892,7 +892,7 @@ async fn enqueue_effect(pool: &PgPool, effect: &str, url: &str) -> EffectId {
         MessageKey::new(effect).unwrap(),
     );
     let mut tx = pool.begin().await.unwrap();
-    let enqueued = enqueue(&mut tx, &identity, effect, &OutboxMessage::new(url, "{}"))
+    let enqueued = enqueue(&mut *tx, &identity, effect, &OutboxMessage::new(url, "{}"))
         .await
         .unwrap();
     tx.commit().await.unwrap();

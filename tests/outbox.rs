@@ -93,7 +93,7 @@ async fn enqueue_one(app: &TestApp, url: &str, key: &str) -> EffectId {
     );
     let mut tx = app.pool.begin().await.unwrap();
     let enqueued = enqueue(
-        &mut tx,
+        &mut *tx,
         &identity,
         "webhook",
         &OutboxMessage::new(url, "{}"),
@@ -101,7 +101,7 @@ async fn enqueue_one(app: &TestApp, url: &str, key: &str) -> EffectId {
     .await
     .unwrap();
     let again = enqueue(
-        &mut tx,
+        &mut *tx,
         &identity,
         "webhook",
         &OutboxMessage::new(url, "{}"),
@@ -274,7 +274,7 @@ async fn a_rolled_back_handler_leaves_no_outbox_row_and_conflicts_are_quarantine
             post(|mut tx: InboxTx, body: String| async move {
                 let identity = tx.identity().clone();
                 enqueue(
-                    &mut tx,
+                    &mut *tx,
                     &identity,
                     "webhook",
                     &OutboxMessage::new("http://127.0.0.1:9/x", "{}"),

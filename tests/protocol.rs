@@ -645,6 +645,43 @@ async fn a_leaked_transaction_handle_is_rolled_back_with_500() {
 }
 
 #[tokio::test]
+async fn a_response_body_that_holds_the_transaction_is_a_leak_and_commits_nothing() {
+    let app = TestApp::new().await;
+    let router = Router::new()
+        .route(
+            "/accounts/{account}/credits",
+            post(|Path(account): Path<String>, mut tx: InboxTx| async move {
+                sqlx::query("insert into credit_account (account_id, balance) values ($1, 1)")
+                    .bind(&account)
+                    .execute(&mut *tx)
+                    .await
+                    .expect("write");
+                // A bug: the body stream owns the transaction and, while it is read, writes
+                // more and asks for a re-run. Nothing of it may commit.
+                let stream = futures_util::stream::once(async move {
+                    sqlx::query("update credit_account set balance = 100")
+                        .execute(&mut *tx)
+                        .await
+                        .expect("late write");
+                    tx.request_retry();
+                    Ok::<_, std::convert::Infallible>(bytes::Bytes::from_static(b"streamed"))
+                });
+                (StatusCode::CREATED, Body::from_stream(stream))
+            }),
+        )
+        .layer(layer(&app.pool, |b| b));
+    let reply = send(&router, credit("a1", Some("k"), Some("app"), 1)).await;
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(reply.problem_type(), "transaction-leaked");
+    assert_eq!(app.inbox_rows().await, 0);
+    assert_eq!(app.balance("a1").await, None, "the body's stream never ran");
+    assert_eq!(
+        app.failures("app", "k").await.map(|f| f.1),
+        Some("transaction-leaked".to_owned())
+    );
+}
+
+#[tokio::test]
 async fn a_response_over_the_recording_limit_rolls_back() {
     let app = TestApp::new().await;
     let router = app.credits_with(|b| b.recorded_response_limit(8));

@@ -506,7 +506,7 @@ async fn dispatch(app: &TestApp, effects: &[(&str, &str)]) {
     let mut tx = app.pool.begin().await.unwrap();
     for (key, destination) in effects {
         enqueue(
-            &mut tx,
+            &mut *tx,
             &identity(key),
             "webhook",
             &OutboxMessage::new(*destination, "{}"),
@@ -739,6 +739,44 @@ async fn in_flight_and_recently_processed_rows_are_kept() {
 }
 
 #[tokio::test]
+async fn compensated_migration_steps_outlive_the_window() {
+    use futures_util::FutureExt;
+    use tower_inbox::replay::{CompensatedMigration, MigrationStep, StepOutcome};
+
+    let app = TestApp::new().await;
+    let migration =
+        CompensatedMigration::builder(Inbox::new(app.pool.clone()), CONSUMER, "bonus-fix")
+            .build()
+            .unwrap();
+    let step = MigrationStep::new("bonus/acct", 5).unwrap();
+    fn bonus<'a>(
+        message: &'a mut tower_inbox::ClaimedMessage,
+        _: &'a i32,
+    ) -> futures_util::future::BoxFuture<'a, Result<(), sqlx::Error>> {
+        async move {
+            apply(message).await;
+            Ok(())
+        }
+        .boxed()
+    }
+    let first = migration.apply_step(&step, bonus).await.unwrap();
+    assert!(matches!(first, StepOutcome::Applied { .. }));
+    age_inbox_row(&app, "bonus/acct", OLD).await;
+    insert_processed(&app, "old", 1, OLD).await;
+
+    let report = purger(&app).purge().await.unwrap();
+    assert_eq!(
+        report.rows(PurgedTable::ConsumerInbox),
+        1,
+        "only the ordinary row"
+    );
+    // Running the finished migration again, long after, applies nothing.
+    let again = migration.apply_step(&step, bonus).await.unwrap();
+    assert!(matches!(again, StepOutcome::AlreadyApplied { .. }));
+    assert_eq!(ledger_for(&app, "bonus/acct").await, 1);
+}
+
+#[tokio::test]
 async fn rows_an_open_quarantine_item_refers_to_are_kept_until_it_is_decided() {
     let app = TestApp::new().await;
     let inbox = Inbox::new(app.pool.clone());
@@ -832,7 +870,7 @@ async fn outbox_retention_deletes_delivered_and_discarded_effects_only() {
     // Enqueued long ago and never dispatched.
     let mut tx = app.pool.begin().await.unwrap();
     enqueue(
-        &mut tx,
+        &mut *tx,
         &identity("pending-old"),
         "webhook",
         &OutboxMessage::new("ok", "{}"),

@@ -18,7 +18,7 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tokio::sync::Barrier;
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::{
-    Claim, Fingerprint, Inbox, InboxLayer, InboxLayerBuilder, InboxTx, IsolationLevel,
+    Claim, Fingerprint, Inbox, InboxError, InboxLayer, InboxLayerBuilder, InboxTx, IsolationLevel,
     MessageIdentity, MessageKey, Producer, RetryReason, TransientRetry,
 };
 
@@ -538,11 +538,33 @@ async fn a_claimed_message_remembers_transient_failures_of_watched_statements() 
     let sql = raise("40001");
     assert!(sqlx::query(&sql).execute(&mut *message).await.is_err());
     assert_eq!(message.retry_reason(), None);
-    // An aborted transaction cannot commit, and that error is not itself transient: the
-    // layer looks at retry_reason() before committing.
+    // The transaction is aborted (by the unwatched failure); asking for a re-run makes the
+    // commit roll back and say so, instead of failing with "transaction aborted".
     message.request_retry();
     assert_eq!(message.retry_reason(), Some(RetryReason::Requested));
-    let err = message.commit(None).await.expect_err("aborted transaction");
-    assert_eq!(err.retry_reason(), None, "25P02 is not transient: {err}");
+    let err = message.commit(None).await.expect_err("never committed");
+    assert!(
+        matches!(err, InboxError::Rerun(RetryReason::Requested)),
+        "{err}"
+    );
+    assert!(err.is_retryable());
+
+    // A watched failure makes the commit roll back with its reason too, even when the
+    // consumer carries on as if nothing happened.
+    let Claim::Claimed(mut message) = inbox
+        .claim(
+            identity("w"),
+            Fingerprint::of_bytes(b"m"),
+            "1",
+            Duration::ZERO,
+        )
+        .await
+        .unwrap()
+    else {
+        panic!("first claim of w");
+    };
+    let _ = sqlx::query(&raise("40P01")).execute(&mut message).await;
+    let err = message.commit(None).await.expect_err("never committed");
+    assert_eq!(err.retry_reason(), Some(RetryReason::Deadlock));
     assert_eq!(app.inbox_rows().await, 0);
 }

@@ -172,7 +172,7 @@ async fn credit(
         let payload = serde_json::to_vec(&body).unwrap_or_default();
         let message =
             OutboxMessage::new(url.as_ref(), payload).header("content-type", "application/json");
-        if let Err(e) = enqueue(&mut tx, &identity, "credit-webhook", &message).await {
+        if let Err(e) = enqueue(&mut *tx, &identity, "credit-webhook", &message).await {
             tracing::error!(error = %e, "could not enqueue the webhook");
             return problem(
                 StatusCode::INTERNAL_SERVER_ERROR,

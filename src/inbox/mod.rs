@@ -18,7 +18,7 @@
 //! {
 //!     Claim::Claimed(mut message) => {
 //!         sqlx::query("update account set balance = balance + 10 where id = 'a1'")
-//!             .execute(&mut *message)
+//!             .execute(&mut message)
 //!             .await?;
 //!         message.commit(None).await?; // claim and business change become durable together
 //!     }
@@ -72,6 +72,11 @@ pub enum InboxError {
     /// A serialization failure or deadlock: the transaction can be retried from the start.
     #[error("the inbox transaction hit a transient conflict: {0}")]
     Transient(#[source] sqlx::Error),
+    /// The transaction was rolled back instead of committed because it has to be re-run:
+    /// a watched statement failed with a serialization failure or deadlock (which aborted
+    /// it), or a re-run was requested with [`ClaimedMessage::request_retry`].
+    #[error("the inbox transaction was rolled back to be re-run ({0})")]
+    Rerun(RetryReason),
     /// Any other database error, such as missing migrations.
     #[error("the inbox query failed: {0}")]
     Database(#[source] sqlx::Error),
@@ -105,13 +110,16 @@ impl InboxError {
 
     /// Whether a later retry of the whole command may succeed.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Unavailable(_) | Self::Transient(_))
+        matches!(
+            self,
+            Self::Unavailable(_) | Self::Transient(_) | Self::Rerun(_)
+        )
     }
 
     /// Counts the error in [`DATABASE_ERRORS`](m::DATABASE_ERRORS); serialization failures
     /// and deadlocks are contention, not errors, and are counted as re-runs instead.
     fn count(&self, consumer: &[::metrics::Label]) {
-        if !matches!(self, Self::Transient(_)) {
+        if !matches!(self, Self::Transient(_) | Self::Rerun(_)) {
             m::count_with(m::DATABASE_ERRORS, consumer, "kind", self.kind());
         }
     }
@@ -120,7 +128,7 @@ impl InboxError {
     fn kind(&self) -> &'static str {
         match self {
             Self::Unavailable(_) => "unavailable",
-            Self::Transient(_) => "transient",
+            Self::Transient(_) | Self::Rerun(_) => "transient",
             Self::Database(_) => "internal",
         }
     }
@@ -129,6 +137,7 @@ impl InboxError {
     pub fn retry_reason(&self) -> Option<RetryReason> {
         match self {
             Self::Transient(err) => RetryReason::of(err),
+            Self::Rerun(reason) => Some(*reason),
             _ => None,
         }
     }
@@ -417,6 +426,11 @@ impl Inbox {
     /// Counts an attempt at `identity` that rolled back, with a stable reason code, in a
     /// transaction of its own. From the `quarantine_after`th failure on, the command also has
     /// an open [quarantine](crate::quarantine) item; its id is returned.
+    ///
+    /// `reason` is also the `reason` label of
+    /// [`inbox_handler_failures_total`](crate::metrics::HANDLER_FAILURES): use a code from a
+    /// small fixed set (`handler-error`, `validation-failed`, ...), never text from the
+    /// message, or the metric grows a series per message.
     pub async fn record_failure(
         &self,
         identity: &MessageIdentity,
@@ -577,8 +591,9 @@ impl ClaimedMessage {
     }
 
     /// Why this transaction has to be re-run, if a watched statement failed with a
-    /// serialization failure or deadlock, or a re-run was requested. Such a transaction is
-    /// aborted: it cannot commit.
+    /// serialization failure or deadlock (which aborted it), or a re-run was requested.
+    /// [`commit`](Self::commit) then rolls back instead and answers
+    /// [`InboxError::Rerun`].
     pub fn retry_reason(&self) -> Option<RetryReason> {
         self.retry
     }
@@ -588,6 +603,9 @@ impl ClaimedMessage {
     ///
     /// An error from the commit itself is ambiguous (the server may have committed before the
     /// connection failed); a retry of the command resolves it, as a replay or a new run.
+    ///
+    /// A transaction that has to be re-run ([`retry_reason`](Self::retry_reason)) is rolled
+    /// back instead, with [`InboxError::Rerun`]: claim again and run it from the start.
     pub async fn commit(self, response: Option<&RecordedResponse>) -> Result<(), InboxError> {
         let span = tracing::info_span!(
             "inbox.commit",
@@ -619,6 +637,11 @@ impl ClaimedMessage {
         mut self,
         response: Option<&RecordedResponse>,
     ) -> Result<(), InboxError> {
+        if let Some(reason) = self.retry {
+            // Aborted by a watched 40001/40P01, or asked to run again: never commit it.
+            self.tx.rollback().await.map_err(InboxError::classify)?;
+            return Err(InboxError::Rerun(reason));
+        }
         let (status, names, values, body) = match response {
             Some(r) => (
                 Some(i16::try_from(r.status).unwrap_or(i16::MAX)),

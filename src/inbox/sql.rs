@@ -8,7 +8,8 @@ select claimed, payload_sha256, handler_version, processed_at is not null as pro
 from tower_inbox_claim($1, $2, $3, $4, $5, $6, $7)";
 
 /// Records the outcome on the claimed row. Touches no indexed column, so it can be a HOT
-/// update. In the same statement, a quarantine item about earlier failed attempts of this
+/// update. `processed_at` is the time of recording (`clock_timestamp()`), not the start of
+/// the transaction (`now()`, which `received_at` holds). In the same statement, a quarantine item about earlier failed attempts of this
 /// command is marked recovered: it commits exactly when the success does. Returns how many
 /// items it recovered.
 pub(crate) const RECORD: &str = "\
@@ -23,7 +24,7 @@ with recovered as ( \
     returning 1 \
 ) \
 update consumer_inbox \
-set processed_at = now(), response_status = $5, response_header_names = $6, \
+set processed_at = clock_timestamp(), response_status = $5, response_header_names = $6, \
     response_header_values = $7, response_body = $8 \
 where consumer_name = $1 and producer_name = $2 and tenant_id = $3 and message_id = $4 \
 returning (select count(*) from recovered)";

@@ -9,6 +9,7 @@ use tracing::Instrument;
 
 use super::{set, MetricLabels};
 use crate::inbox::InboxError;
+use crate::middleware::ConfigError;
 use crate::quarantine::QuarantineSource;
 
 const INBOX: &str = "\
@@ -197,8 +198,16 @@ impl StatsTask {
     }
 
     /// Collects every `period` until `shutdown` completes. A failed collection is logged
-    /// and the gauges keep their last values until the next one succeeds.
-    pub async fn run(mut self, period: Duration, shutdown: impl Future<Output = ()> + Send) {
+    /// and the gauges keep their last values until the next one succeeds. A zero `period`
+    /// is refused at once: it would scan the inbox back to back.
+    pub async fn run(
+        mut self,
+        period: Duration,
+        shutdown: impl Future<Output = ()> + Send,
+    ) -> Result<(), ConfigError> {
+        if period.is_zero() {
+            return Err(ConfigError::BadLimit("the stats period must be positive"));
+        }
         tokio::pin!(shutdown);
         loop {
             if let Err(err) = self.collect().await {
@@ -206,7 +215,7 @@ impl StatsTask {
             }
             tokio::select! {
                 () = tokio::time::sleep(period) => {}
-                () = &mut shutdown => return,
+                () = &mut shutdown => return Ok(()),
             }
         }
     }

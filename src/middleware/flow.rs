@@ -19,7 +19,9 @@ use super::layer::{InboxConfig, IDEMPOTENT_REPLAYED};
 use crate::extract::TxSlot;
 use crate::fingerprint::{CommandPayload, Fingerprint};
 use crate::identity::MessageIdentity;
-use crate::inbox::{Claim, Inbox, InboxEntry, InboxError, RecordedResponse, RetryReason};
+use crate::inbox::{
+    Claim, ClaimedMessage, Inbox, InboxEntry, InboxError, RecordedResponse, RetryReason,
+};
 use crate::key::{KeyError, MessageKey};
 use crate::metrics as m;
 use crate::outcome::Outcome;
@@ -226,7 +228,7 @@ impl Command {
         let mut services = Services::new(inner);
         let mut attempt = 1;
         loop {
-            let (reason, ran_handler) = match self.attempt(&mut services).await? {
+            let (reason, ran_handler) = match self.attempt(&mut services, attempt).await? {
                 Step::Answer(outcome, response) => {
                     tracing::Span::current().record("outcome", outcome);
                     return Ok(response);
@@ -252,13 +254,25 @@ impl Command {
         }
     }
 
-    async fn attempt<S, ResBody>(&self, services: &mut Services<S>) -> Result<Step, S::Error>
+    async fn attempt<S, ResBody>(
+        &self,
+        services: &mut Services<S>,
+        attempt: u32,
+    ) -> Result<Step, S::Error>
     where
         S: Service<Request<Body>, Response = Response<ResBody>> + Clone,
         ResBody: http_body::Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<axum::BoxError>,
     {
         let config = &self.config;
+        // A re-run waits for the inner service to be ready before it claims, so that a
+        // concurrency limit or load shedder inside does not hold a claim (a pooled connection
+        // and the key's lock) while it waits. The first run's service is ready already.
+        let mut ready = if attempt > 1 {
+            Some(services.ready().await?)
+        } else {
+            None
+        };
         let claim = config
             .inbox
             .claim(
@@ -270,7 +284,10 @@ impl Command {
             .await;
         let step = match claim {
             Ok(Claim::Claimed(message)) => {
-                let service = services.ready().await?;
+                let service = match ready.take() {
+                    Some(service) => service,
+                    None => services.ready().await?,
+                };
                 return self.run_handler(service, TxSlot::new(message)).await;
             }
             Ok(Claim::Duplicate(entry)) => {
@@ -394,11 +411,25 @@ impl Command {
             }
             Outcome::Commit => {}
         }
+        // Taken back before the body is read: a body that holds the transaction (a stream
+        // that owns the InboxTx) is a leak too, and must not get to make more writes, or
+        // ask for a re-run, after the decision to commit.
+        let Some(message) = slot.take() else {
+            // A handle to the transaction is still alive somewhere: committing now could
+            // race with writes the handler is still making. It rolls back when dropped.
+            tracing::error!("handler kept the inbox transaction past its response; not committed");
+            attempt.failed("transaction-leaked").await;
+            let problem = Problem::new(
+                ProblemKind::TransactionLeaked,
+                "the handler kept the inbox transaction after answering; nothing was committed",
+            );
+            return Ok(Step::Answer("transaction-leaked", problem.into_response()));
+        };
         let (response_parts, response_body) = response.into_parts();
         let body = match read_limited(response_body, config.response_limit).await {
             Ok(body) => body,
             Err(err) => {
-                roll_back(&slot).await;
+                discard(message).await;
                 let (kind, reason, detail) = match err {
                     ReadError::TooLarge => (
                         ProblemKind::ResponseTooLarge,
@@ -420,17 +451,6 @@ impl Command {
                     Problem::new(kind, detail).into_response(),
                 ));
             }
-        };
-        let Some(message) = slot.take() else {
-            // A handle to the transaction is still alive somewhere: committing now could
-            // race with writes the handler is still making. It rolls back when dropped.
-            tracing::error!("handler kept the inbox transaction past its response; not committed");
-            attempt.failed("transaction-leaked").await;
-            let problem = Problem::new(
-                ProblemKind::TransactionLeaked,
-                "the handler kept the inbox transaction after answering; nothing was committed",
-            );
-            return Ok(Step::Answer("transaction-leaked", problem.into_response()));
         };
         let recorded = RecordedResponse {
             status: response_parts.status.as_u16(),
@@ -604,10 +624,14 @@ async fn record_failure(f: FailedAttempt, reason: &'static str) {
 async fn roll_back(slot: &TxSlot) {
     // None means a leaked handle still holds the transaction; it rolls back when dropped.
     if let Some(message) = slot.take() {
-        if let Err(err) = message.rollback().await {
-            // The connection is discarded by the pool; the server rolls back on its own.
-            tracing::warn!(error = %err, "rollback failed");
-        }
+        discard(message).await;
+    }
+}
+
+async fn discard(message: ClaimedMessage) {
+    if let Err(err) = message.rollback().await {
+        // The connection is discarded by the pool; the server rolls back on its own.
+        tracing::warn!(error = %err, "rollback failed");
     }
 }
 

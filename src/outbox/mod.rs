@@ -22,7 +22,7 @@
 //!     let identity = tx.identity().clone();
 //!     let message = OutboxMessage::new("http://mailer.internal/send", r#"{"template":"credited"}"#)
 //!         .header("content-type", "application/json");
-//!     match enqueue(&mut tx, &identity, "email", &message).await {
+//!     match enqueue(&mut *tx, &identity, "email", &message).await {
 //!         Ok(_) => StatusCode::CREATED,
 //!         Err(_) => StatusCode::INTERNAL_SERVER_ERROR, // rolls the whole command back
 //!     }
@@ -37,7 +37,7 @@ use std::fmt;
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
-use sqlx::{PgConnection, PgPool, Row};
+use sqlx::{Executor, PgPool, Postgres, Row};
 use time::OffsetDateTime;
 
 use crate::identity::MessageIdentity;
@@ -139,12 +139,13 @@ pub struct Enqueued {
 }
 
 /// Writes the effect `effect_name` of the message `identity` to the outbox, on `conn`: the
-/// claimed transaction ([`InboxTx`](crate::InboxTx) or
-/// [`ClaimedMessage`](crate::ClaimedMessage)) or any sqlx transaction.
+/// claimed transaction (`&mut *tx` for an [`InboxTx`](crate::InboxTx), `&mut message` for
+/// a [`ClaimedMessage`](crate::ClaimedMessage), both watched for serialization failures
+/// and deadlocks) or any sqlx connection or transaction (`&mut *sqlx_tx`).
 ///
 /// Dispatchers are woken when the transaction commits; a rollback leaves no trace.
-pub async fn enqueue(
-    conn: &mut PgConnection,
+pub async fn enqueue<'c>(
+    conn: impl Executor<'c, Database = Postgres>,
     identity: &MessageIdentity,
     effect_name: &str,
     message: &OutboxMessage,
@@ -154,8 +155,8 @@ pub async fn enqueue(
 }
 
 /// Like [`enqueue`], with an effect ID chosen by the caller and no message identity.
-pub async fn enqueue_with_id(
-    conn: &mut PgConnection,
+pub async fn enqueue_with_id<'c>(
+    conn: impl Executor<'c, Database = Postgres>,
     effect_id: EffectId,
     effect_name: &str,
     message: &OutboxMessage,
@@ -163,8 +164,8 @@ pub async fn enqueue_with_id(
     insert(conn, &effect_id, effect_name, None, message).await
 }
 
-async fn insert(
-    conn: &mut PgConnection,
+async fn insert<'c>(
+    conn: impl Executor<'c, Database = Postgres>,
     effect_id: &EffectId,
     effect_name: &str,
     identity: Option<&MessageIdentity>,

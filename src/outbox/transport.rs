@@ -25,7 +25,9 @@ pub enum Delivery {
     Permanent {
         /// The receiver's status code, if it answered.
         status: Option<u16>,
-        /// A stable reason code for the quarantine, e.g. `http-404`.
+        /// A stable reason code for the quarantine, e.g. `http-404`; also the `reason` label
+        /// of [`outbox_dead_letters_total`](crate::metrics::OUTBOX_DEAD_LETTERS), so it must
+        /// come from a small fixed set, never from the receiver's answer text.
         reason_code: String,
         /// What went wrong.
         error: String,

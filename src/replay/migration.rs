@@ -16,7 +16,7 @@ use crate::identity::{MessageIdentity, Producer};
 use crate::inbox::RetryReason;
 use crate::inbox::{Claim, ClaimedMessage, Inbox, InboxError};
 use crate::key::{KeyError, MessageKey};
-use crate::metrics::{count_with, MetricLabels, MIGRATION_STEPS, TRANSACTION_RETRIES};
+use crate::metrics::{count_with, MIGRATION_STEPS, TRANSACTION_RETRIES};
 use crate::middleware::DEFAULT_IN_FLIGHT_WAIT;
 use crate::retry::TransientRetry;
 
@@ -41,7 +41,9 @@ pub const MIGRATION_PRODUCER_PREFIX: &str = "migration:";
 ///
 /// * a step that already committed is skipped without running the function
 ///   ([`StepOutcome::AlreadyApplied`]): re-running a migration after a crash halfway applies
-///   only the steps that did not commit, and re-running a finished one applies nothing;
+///   only the steps that did not commit, and re-running a finished one applies nothing,
+///   however long after: the retention [purge](crate::retention::Purger) never deletes the
+///   inbox rows of migration steps;
 /// * the same operation ID with a different input is refused ([`StepError::Conflict`]),
 ///   the original untouched, and kept in the [quarantine](crate::quarantine) for a person to
 ///   look at: a migration whose steps changed after it started is a mistake to review, not
@@ -545,7 +547,7 @@ impl CompensatedMigration {
                     tracing::warn!(attempts, reason = %kind, "transient failures ran out of re-runs");
                     break Err(error);
                 }
-                let labels = MetricLabels::default().of_consumer(&self.consumer);
+                let labels = self.inbox.metric_labels().of_consumer(&self.consumer);
                 count_with(TRANSACTION_RETRIES, &labels, "reason", kind.as_str());
                 tokio::time::sleep(self.retry.delay(attempts)).await;
                 attempts += 1;

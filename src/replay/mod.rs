@@ -72,7 +72,7 @@
 //!     Claim::Claimed(mut message) => {
 //!         sqlx::query("insert into balance_projection_v2 (message_id) values ($1)")
 //!             .bind(id)
-//!             .execute(&mut *message)
+//!             .execute(&mut message)
 //!             .await?;
 //!         message.commit(None).await?;
 //!     }

@@ -57,6 +57,11 @@ pub struct ExpiredMessage {
 /// The HTTP layer has no production timestamp: a request carries only its key. There the
 /// window alone protects, so it must cover every way a request can be retried.
 ///
+/// The guard refuses every later copy of an expired message too: deciding its quarantine
+/// item does not let it through. Once a person has checked that it was never applied (or
+/// decided it must be applied again), process it with [`Inbox::claim`] directly, which
+/// the guard does not stand in front of, and decide the item.
+///
 /// ```no_run
 /// use std::time::Duration;
 /// use tower_inbox::retention::{GuardedClaim, RetentionGuard, RetentionPolicy};
@@ -83,7 +88,7 @@ pub struct ExpiredMessage {
 /// {
 ///     GuardedClaim::Claim(Claim::Claimed(mut message)) => {
 ///         sqlx::query("update account set balance = balance + 10 where id = 'a1'")
-///             .execute(&mut *message)
+///             .execute(&mut message)
 ///             .await?;
 ///         message.commit(None).await?;
 ///     }

@@ -29,11 +29,17 @@ macro_rules! no_open_item {
 /// Processed inbox rows past the cutoff that no open quarantine item refers to. In-flight
 /// rows (`processed_at is null`) never match. `received_at` drives the index scan;
 /// `processed_at` is only filtered, never indexed, so recording stays a HOT update.
+///
+/// The steps of a [compensated migration](crate::replay::CompensatedMigration) (producer
+/// `migration:<name>`, [`MIGRATION_PRODUCER_PREFIX`](crate::replay::MIGRATION_PRODUCER_PREFIX))
+/// are never purged: running a finished migration again must apply nothing, however long
+/// after.
 macro_rules! inbox_expired {
     () => {
         concat!(
             "from consumer_inbox i \
-             where i.received_at < $1 and i.processed_at < $1 and ",
+             where i.received_at < $1 and i.processed_at < $1 \
+               and i.producer_name not like 'migration:%' and ",
             no_open_item!()
         )
     };
@@ -95,8 +101,11 @@ macro_rules! decided_expired {
 }
 
 /// Declares the dry-run count and the batch delete of one purgeable set. The delete takes up
-/// to `$2` rows of the set, oldest first, and skips rows another transaction holds (a
-/// duplicate claim reading one, another purger): it never waits on a row lock.
+/// to `$2` rows of the set, oldest first, and skips rows another transaction has locked
+/// (another purger, an operator's update): it never waits on a row lock. A claim takes no
+/// row lock on a row it conflicts with, so a purge may delete a row a duplicate has just
+/// met; the claim then finds it gone and claims it as new. That is only possible for rows
+/// past the window, which is what the window is for.
 macro_rules! purgeable {
     (
         $count:ident, $delete:ident: $table:literal as $alias:literal by $key:literal,
@@ -144,3 +153,17 @@ purgeable!(
     DECIDED_COUNT, DECIDED_DELETE: "inbox_quarantine" as "q" by "id",
     rows decided_expired, oldest "decided_at"
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migration_steps_are_never_purged() {
+        let kept = format!(
+            "producer_name not like '{}%'",
+            crate::replay::MIGRATION_PRODUCER_PREFIX
+        );
+        assert!(INBOX_COUNT.contains(&kept) && INBOX_DELETE.contains(&kept));
+    }
+}
