@@ -46,11 +46,13 @@
 //! * [`migrate`] / [`MIGRATOR`]: the embedded migrations.
 //! * [`TransientRetry`], [`IsolationLevel`], [`RetryReason`]: re-runs after serialization
 //!   failures and deadlocks.
+//! * [`ClaimMode`], [`ReplayCache`]: claim at commit, and answer duplicates from memory.
 //! * [`metrics`]: every metric the crate records, and the stats task.
 //! * [`outbox`], [`quarantine`], [`replay`]: effects, poison messages, handler versions.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod cache;
 mod extract;
 mod fingerprint;
 mod identity;
@@ -67,11 +69,12 @@ pub mod replay;
 pub mod retention;
 mod retry;
 
+pub use cache::ReplayCache;
 pub use extract::InboxTx;
 pub use fingerprint::{CommandPayload, Fingerprint, FingerprintStrategy};
 pub use identity::{MessageIdentity, Producer, ProducerError, MAX_SCOPE_LEN};
 pub use inbox::{
-    migrate, Claim, ClaimedMessage, Inbox, InboxEntry, InboxError, IsolationLevel,
+    migrate, Claim, ClaimMode, ClaimedMessage, Inbox, InboxEntry, InboxError, IsolationLevel,
     RecordedResponse, RetryReason, MIGRATOR,
 };
 pub use key::{KeyError, MessageKey, MAX_KEY_LEN};

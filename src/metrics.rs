@@ -29,6 +29,9 @@ pub use stats::{ConsumerStats, Stats, StatsTask};
 pub const FIRST_SEEN: &str = "inbox_first_seen_total";
 /// Duplicates answered from the record (a replay), without running the handler.
 pub const DUPLICATES: &str = "inbox_duplicates_total";
+/// Duplicates (and conflicts) answered from the in-process
+/// [`ReplayCache`](crate::ReplayCache), without the database.
+pub const CACHE_HITS: &str = "inbox_replay_cache_hits_total";
 /// Keys reused with a different payload fingerprint.
 pub const IDENTITY_CONFLICTS: &str = "inbox_identity_conflicts_total";
 /// Duplicates refused because the original was still in flight after the wait.
@@ -142,6 +145,13 @@ pub const METRICS: &[MetricInfo] = &[
         IDENTITY,
         Unit::Count,
         "duplicates answered from the record without running the handler",
+    ),
+    info(
+        CACHE_HITS,
+        Counter,
+        &["consumer"],
+        Unit::Count,
+        "duplicates and conflicts answered from the in-process replay cache, without the database",
     ),
     info(
         IDENTITY_CONFLICTS,

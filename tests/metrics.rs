@@ -454,6 +454,43 @@ async fn a_sequential_duplicate_counts_a_duplicate_and_one_claim_wait() {
 }
 
 #[tokio::test]
+async fn a_cached_duplicate_counts_a_duplicate_and_a_cache_hit_and_no_claim() {
+    let serial = serial().await;
+    let app = TestApp::new().await;
+    let cache = tower_inbox::ReplayCache::new(100, 1 << 20).unwrap();
+    let router = credits(&app, "cached", |b| b.replay_cache(cache));
+    let mut probe = Probe::consumer("cached");
+    send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
+    probe.assert_moved(COMMITTED);
+    let reply = send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
+    assert!(reply.replayed());
+    probe.assert_moved(&[(m::DUPLICATES, &[], 1), (m::CACHE_HITS, &[], 1)]);
+    // A conflict found in the cache is counted and quarantined like one found in the
+    // database, without a claim.
+    let mut shared = Probe::shared(&serial);
+    let conflict = send(&router, credit("a1", Some("k1"), Some("app"), 6)).await;
+    assert_eq!(conflict.problem_type(), "payload-mismatch");
+    probe.assert_moved(&[(m::IDENTITY_CONFLICTS, &[], 1), (m::CACHE_HITS, &[], 1)]);
+    shared.assert_moved(&[(m::QUARANTINE_MOVES, &[("source", "identity-conflict")], 1)]);
+}
+
+#[tokio::test]
+async fn claim_at_commit_counts_first_seen_and_a_lost_claim_as_a_duplicate() {
+    let app = TestApp::new().await;
+    let router = credits(&app, "at-commit", |b| {
+        b.claim_mode(tower_inbox::ClaimMode::AtCommit)
+    });
+    let mut probe = Probe::consumer("at-commit");
+    send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
+    // The claim wait is the claim at commit's own statement.
+    probe.assert_moved(COMMITTED);
+    let reply = send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
+    assert!(reply.replayed());
+    probe.assert_moved(REPLAYED);
+    assert_eq!(app.ledger_rows("a1").await, 1);
+}
+
+#[tokio::test]
 async fn an_identity_conflict_is_counted_and_quarantined_once_per_payload() {
     let serial = serial().await;
     let app = TestApp::new().await;

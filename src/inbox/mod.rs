@@ -77,6 +77,10 @@ pub enum InboxError {
     /// it), or a re-run was requested with [`ClaimedMessage::request_retry`].
     #[error("the inbox transaction was rolled back to be re-run ({0})")]
     Rerun(RetryReason),
+    /// (Claim at commit only.) Another transaction claimed the message first: everything
+    /// this one wrote was rolled back. [`Inbox::lookup`] tells what the inbox holds.
+    #[error("the message was claimed by another transaction; this one was rolled back")]
+    ClaimedElsewhere,
     /// Any other database error, such as missing migrations.
     #[error("the inbox query failed: {0}")]
     Database(#[source] sqlx::Error),
@@ -119,7 +123,10 @@ impl InboxError {
     /// Counts the error in [`DATABASE_ERRORS`](m::DATABASE_ERRORS); serialization failures
     /// and deadlocks are contention, not errors, and are counted as re-runs instead.
     fn count(&self, consumer: &[::metrics::Label]) {
-        if !matches!(self, Self::Transient(_) | Self::Rerun(_)) {
+        if !matches!(
+            self,
+            Self::Transient(_) | Self::Rerun(_) | Self::ClaimedElsewhere
+        ) {
             m::count_with(m::DATABASE_ERRORS, consumer, "kind", self.kind());
         }
     }
@@ -129,6 +136,7 @@ impl InboxError {
         match self {
             Self::Unavailable(_) => "unavailable",
             Self::Transient(_) | Self::Rerun(_) => "transient",
+            Self::ClaimedElsewhere => "claimed-elsewhere",
             Self::Database(_) => "internal",
         }
     }
@@ -213,6 +221,26 @@ impl IsolationLevel {
             Self::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
         }
     }
+}
+
+/// When the layer claims a command's identity in its transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ClaimMode {
+    /// The claim is the transaction's first statement (the default). A duplicate of a
+    /// finished command is answered before the handler runs, and one of an in-flight
+    /// command waits for it there. Costs one statement more than the handler alone, plus the
+    /// record.
+    #[default]
+    First,
+    /// The handler's statements run first; the inbox row, with the recorded response, is
+    /// inserted last with `ON CONFLICT DO NOTHING`, one statement fewer per command. If the
+    /// key was claimed meanwhile, the whole transaction rolls back and the recorded response
+    /// is replayed (or the conflict or in-progress answer given): at most one transition
+    /// still commits. The trade-off: **a duplicate runs the handler before it is rolled
+    /// back**, so use it only for handlers whose every effect is in the transaction (outbox
+    /// effects included), and expect duplicates to cost a full handler run (a
+    /// [`ReplayCache`](crate::ReplayCache) answers most of them before that).
+    AtCommit,
 }
 
 /// A response (or any outcome) recorded with the claim, replayed byte for byte to duplicates.
@@ -334,19 +362,7 @@ impl Inbox {
             .instrument(span.clone())
             .await;
         let outcome = match &claim {
-            Ok(Claim::Claimed(_)) => "claimed",
-            Ok(Claim::Duplicate(_)) => {
-                m::count(m::DUPLICATES, &labels, 1);
-                "duplicate"
-            }
-            Ok(Claim::Conflict(_)) => {
-                m::count(m::IDENTITY_CONFLICTS, &labels, 1);
-                "conflict"
-            }
-            Ok(Claim::InProgress) => {
-                m::count(m::IN_PROGRESS, &labels, 1);
-                "in-progress"
-            }
+            Ok(claim) => count_claim(claim, &labels),
             Err(err) => err.kind(),
         };
         span.record("outcome", outcome);
@@ -396,18 +412,41 @@ impl Inbox {
                 identity,
                 retry: None,
                 labels: self.labels,
+                at_commit: None,
             }));
         }
         // Our insert did nothing; end the transaction before answering so the connection
         // goes back to the pool at once.
         tx.rollback().await.map_err(|e| self.failed(consumer, e))?;
-        let entry = entry_from_row(&row)?;
-        Ok(if entry.payload_sha256 != fingerprint_hex {
-            Claim::Conflict(entry)
-        } else if entry.processed {
-            Claim::Duplicate(entry)
-        } else {
-            Claim::InProgress
+        seen_from_row(&row, &fingerprint_hex)
+    }
+
+    /// Opens a transaction for `identity` whose claim is made at commit, as the last
+    /// statement, together with the recorded response (the layer's
+    /// [`ClaimMode::AtCommit`]). Nothing is claimed until then: a concurrent duplicate runs
+    /// too, and the one that commits second finds the claim taken and rolls back.
+    pub(crate) async fn begin_at_commit(
+        &self,
+        identity: MessageIdentity,
+        fingerprint: Fingerprint,
+        handler_version: &str,
+        wait: Duration,
+    ) -> Result<ClaimedMessage, InboxError> {
+        let tx = self
+            .pool
+            .begin_with(self.isolation.begin())
+            .await
+            .map_err(|e| self.failed(identity.consumer(), e))?;
+        Ok(ClaimedMessage {
+            tx,
+            identity,
+            retry: None,
+            labels: self.labels,
+            at_commit: Some(ClaimAtCommit {
+                fingerprint_hex: fingerprint.to_hex(),
+                handler_version: handler_version.to_owned(),
+                wait_ms: i32::try_from(wait.as_millis()).unwrap_or(i32::MAX),
+            }),
         })
     }
 
@@ -524,6 +563,37 @@ pub(crate) fn quarantine_recovered(source: QuarantineSource, n: u64) {
     }
 }
 
+/// Counts a claim's outcome and names it (for the span).
+fn count_claim(claim: &Claim, labels: &[::metrics::Label]) -> &'static str {
+    match claim {
+        Claim::Claimed(_) => "claimed",
+        Claim::Duplicate(_) => {
+            m::count(m::DUPLICATES, labels, 1);
+            "duplicate"
+        }
+        Claim::Conflict(_) => {
+            m::count(m::IDENTITY_CONFLICTS, labels, 1);
+            "conflict"
+        }
+        Claim::InProgress => {
+            m::count(m::IN_PROGRESS, labels, 1);
+            "in-progress"
+        }
+    }
+}
+
+/// What a claim that found the key taken answers, from the winning row.
+fn seen_from_row(row: &PgRow, fingerprint_hex: &str) -> Result<Claim, InboxError> {
+    let entry = entry_from_row(row)?;
+    Ok(if entry.payload_sha256 != fingerprint_hex {
+        Claim::Conflict(entry)
+    } else if entry.processed {
+        Claim::Duplicate(entry)
+    } else {
+        Claim::InProgress
+    })
+}
+
 fn entry_from_row(row: &PgRow) -> Result<InboxEntry, InboxError> {
     let get = |e| InboxError::Database(e);
     let status: Option<i16> = row.try_get("response_status").map_err(get)?;
@@ -575,6 +645,26 @@ pub struct ClaimedMessage {
     identity: MessageIdentity,
     retry: Option<RetryReason>,
     labels: MetricLabels,
+    /// Set when the claim is still to be made, at commit.
+    at_commit: Option<ClaimAtCommit>,
+}
+
+/// What a claim made at commit needs.
+#[derive(Debug)]
+struct ClaimAtCommit {
+    fingerprint_hex: String,
+    handler_version: String,
+    wait_ms: i32,
+}
+
+/// How [`ClaimedMessage::finish`] ended.
+#[derive(Debug)]
+pub(crate) enum Finished {
+    /// Claim, business writes and record committed together.
+    Committed,
+    /// (Claim at commit.) The key was claimed by another transaction: everything was rolled
+    /// back; this is what the inbox holds instead (never [`Claim::Claimed`]).
+    ClaimedElsewhere(Claim),
 }
 
 impl ClaimedMessage {
@@ -607,6 +697,17 @@ impl ClaimedMessage {
     /// A transaction that has to be re-run ([`retry_reason`](Self::retry_reason)) is rolled
     /// back instead, with [`InboxError::Rerun`]: claim again and run it from the start.
     pub async fn commit(self, response: Option<&RecordedResponse>) -> Result<(), InboxError> {
+        match self.finish(response).await? {
+            Finished::Committed => Ok(()),
+            Finished::ClaimedElsewhere(_) => Err(InboxError::ClaimedElsewhere),
+        }
+    }
+
+    /// Records and commits; with a claim made at commit, reports a key claimed meanwhile.
+    pub(crate) async fn finish(
+        self,
+        response: Option<&RecordedResponse>,
+    ) -> Result<Finished, InboxError> {
         let span = tracing::info_span!(
             "inbox.commit",
             consumer = %self.identity.consumer(),
@@ -620,23 +721,25 @@ impl ClaimedMessage {
             .record_and_commit(response)
             .instrument(span.clone())
             .await;
-        match &result {
-            Ok(()) => {
+        let outcome = match &result {
+            Ok(Finished::Committed) => {
                 m::count(m::FIRST_SEEN, &labels.of(&identity), 1);
-                span.record("outcome", "committed");
+                "committed"
             }
+            Ok(Finished::ClaimedElsewhere(claim)) => count_claim(claim, &labels.of(&identity)),
             Err(err) => {
                 err.count(&labels.of_consumer(identity.consumer()));
-                span.record("outcome", err.kind());
+                err.kind()
             }
-        }
+        };
+        span.record("outcome", outcome);
         result
     }
 
     async fn record_and_commit(
         mut self,
         response: Option<&RecordedResponse>,
-    ) -> Result<(), InboxError> {
+    ) -> Result<Finished, InboxError> {
         if let Some(reason) = self.retry {
             // Aborted by a watched 40001/40P01, or asked to run again: never commit it.
             self.tx.rollback().await.map_err(InboxError::classify)?;
@@ -662,25 +765,57 @@ impl ClaimedMessage {
             None => (None, None, None, None),
         };
         let identity = &self.identity;
-        let recovered: Option<i64> = bind_identity!(sqlx::query_scalar(sql::RECORD), &identity)
-            .bind(status)
-            .bind(names)
-            .bind(values)
-            .bind(body)
-            .bind(identity_item_key(
-                QuarantineSource::HandlerFailure,
-                identity,
-                "",
-            ))
-            .fetch_optional(&mut *self.tx)
-            .await
-            .map_err(InboxError::classify)?;
+        let item_key = identity_item_key(QuarantineSource::HandlerFailure, identity, "");
+        let recovered: i64 = match &self.at_commit {
+            None => bind_identity!(sqlx::query_scalar(sql::RECORD), &identity)
+                .bind(status)
+                .bind(names)
+                .bind(values)
+                .bind(body)
+                .bind(item_key)
+                .fetch_optional(&mut *self.tx)
+                .await
+                .map_err(InboxError::classify)?
+                .unwrap_or(0),
+            Some(claim) => {
+                let started = Instant::now();
+                let row = bind_identity!(sqlx::query(sql::CLAIM_AT_COMMIT), &identity)
+                    .bind(&claim.fingerprint_hex)
+                    .bind(&claim.handler_version)
+                    .bind(claim.wait_ms)
+                    .bind(status)
+                    .bind(names)
+                    .bind(values)
+                    .bind(body)
+                    .bind(item_key)
+                    .fetch_one(&mut *self.tx)
+                    .await;
+                m::observe_seconds(
+                    m::CLAIM_WAIT,
+                    &self.labels.of_consumer(identity.consumer()),
+                    started.elapsed().as_secs_f64(),
+                );
+                let row = match row {
+                    Ok(row) => row,
+                    Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
+                        // The original is still in flight: ours rolls back entirely.
+                        self.tx.rollback().await.map_err(InboxError::classify)?;
+                        return Ok(Finished::ClaimedElsewhere(Claim::InProgress));
+                    }
+                    Err(err) => return Err(InboxError::classify(err)),
+                };
+                let claimed: bool = row.try_get("claimed").map_err(InboxError::Database)?;
+                if !claimed {
+                    self.tx.rollback().await.map_err(InboxError::classify)?;
+                    let seen = seen_from_row(&row, &claim.fingerprint_hex)?;
+                    return Ok(Finished::ClaimedElsewhere(seen));
+                }
+                row.try_get("recovered").map_err(InboxError::Database)?
+            }
+        };
         self.tx.commit().await.map_err(InboxError::classify)?;
-        quarantine_recovered(
-            QuarantineSource::HandlerFailure,
-            recovered.map_or(0, |n| n.unsigned_abs()),
-        );
-        Ok(())
+        quarantine_recovered(QuarantineSource::HandlerFailure, recovered.unsigned_abs());
+        Ok(Finished::Committed)
     }
 
     /// Rolls back the claim and everything written in its transaction.

@@ -67,6 +67,15 @@ set attempts = q.attempts + 1, last_failed_at = now(), payload_sha256 = excluded
     payload_ref = excluded.payload_ref, handler_version = excluded.handler_version \
 returning q.id, q.attempts";
 
+/// Claims at commit, recording the response in the same insert; on conflict reads the
+/// winning row. See `tower_inbox_claim_at_commit` in
+/// `migrations/20261203000002_claim_at_commit.sql`.
+pub(crate) const CLAIM_AT_COMMIT: &str = "\
+select claimed, recovered, payload_sha256, handler_version, \
+       processed_at is not null as processed, response_status, response_header_names, \
+       response_header_values, response_body \
+from tower_inbox_claim_at_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+
 /// Reads one inbox row, outside any transaction.
 pub(crate) const LOOKUP: &str = "\
 select payload_sha256, handler_version, processed_at is not null as processed, \

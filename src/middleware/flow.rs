@@ -20,7 +20,8 @@ use crate::extract::TxSlot;
 use crate::fingerprint::{CommandPayload, Fingerprint};
 use crate::identity::MessageIdentity;
 use crate::inbox::{
-    Claim, ClaimedMessage, Inbox, InboxEntry, InboxError, RecordedResponse, RetryReason,
+    Claim, ClaimMode, ClaimedMessage, Finished, Inbox, InboxEntry, InboxError, RecordedResponse,
+    RetryReason,
 };
 use crate::key::{KeyError, MessageKey};
 use crate::metrics as m;
@@ -224,6 +225,10 @@ impl Command {
         ResBody: http_body::Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<axum::BoxError>,
     {
+        if let Some(Step::Answer(outcome, response)) = self.answer_cached().await {
+            tracing::Span::current().record("outcome", outcome);
+            return Ok(response);
+        }
         let retry = self.config.transient_retry;
         let mut services = Services::new(inner);
         let mut attempt = 1;
@@ -273,15 +278,30 @@ impl Command {
         } else {
             None
         };
-        let claim = config
-            .inbox
-            .claim(
-                self.identity.clone(),
-                self.fingerprint,
-                &config.handler_version,
-                config.in_flight_wait,
-            )
-            .await;
+        let claim = match config.claim_mode {
+            ClaimMode::First => {
+                config
+                    .inbox
+                    .claim(
+                        self.identity.clone(),
+                        self.fingerprint,
+                        &config.handler_version,
+                        config.in_flight_wait,
+                    )
+                    .await
+            }
+            // Nothing is claimed yet: the claim is the commit's last statement.
+            ClaimMode::AtCommit => config
+                .inbox
+                .begin_at_commit(
+                    self.identity.clone(),
+                    self.fingerprint,
+                    &config.handler_version,
+                    config.in_flight_wait,
+                )
+                .await
+                .map(Claim::Claimed),
+        };
         let step = match claim {
             Ok(Claim::Claimed(message)) => {
                 let service = match ready.take() {
@@ -290,46 +310,7 @@ impl Command {
                 };
                 return self.run_handler(service, TxSlot::new(message)).await;
             }
-            Ok(Claim::Duplicate(entry)) => {
-                let span = tracing::info_span!(
-                    "inbox.replay",
-                    consumer = %self.identity.consumer(),
-                    producer = %self.identity.producer().name(),
-                    message_id = %self.identity.message_id(),
-                    status = entry.response.as_ref().map(|r| r.status),
-                );
-                Step::Answer("replayed", span.in_scope(|| replay(&entry)))
-            }
-            Ok(Claim::Conflict(entry)) => {
-                tracing::warn!(
-                    recorded_sha256 = %entry.payload_sha256,
-                    sha256 = %self.fingerprint,
-                    "idempotency key reused with a different payload"
-                );
-                // The answer does not depend on keeping the record; a failure is logged.
-                if let Err(err) = config
-                    .inbox
-                    .record_conflict(&self.identity, self.fingerprint, &config.handler_version)
-                    .await
-                {
-                    tracing::error!(error = %err, "could not quarantine the identity conflict");
-                }
-                let detail = format!(
-                    "this {} was already used for a different request; use a new key for a new command",
-                    config.key_header
-                );
-                let problem = Problem::new(ProblemKind::PayloadMismatch, detail)
-                    .with_status(config.mismatch_status);
-                Step::Answer("conflict", problem.into_response())
-            }
-            Ok(Claim::InProgress) => {
-                let problem = Problem::new(
-                    ProblemKind::InProgress,
-                    "a request with this key is still being processed; retry later",
-                )
-                .retry_after(config.retry_after_secs);
-                Step::Answer("in-progress", problem.into_response())
-            }
+            Ok(seen) => self.answer_seen(seen).await,
             Err(err) => match err.retry_reason() {
                 Some(reason) => Step::Rerun {
                     reason,
@@ -339,6 +320,92 @@ impl Command {
             },
         };
         Ok(step)
+    }
+
+    /// The answer when the key was claimed before: by the claim, or (claim at commit) by the
+    /// commit, after this transaction rolled back.
+    async fn answer_seen(&self, claim: Claim) -> Step {
+        match claim {
+            Claim::Duplicate(entry) => {
+                let step = self.replayed(&entry);
+                if let Some(cache) = &self.config.replay_cache {
+                    cache.insert(&self.identity, self.fingerprint, entry);
+                }
+                step
+            }
+            Claim::Conflict(entry) => self.conflict(&entry).await,
+            Claim::InProgress => {
+                let problem = Problem::new(
+                    ProblemKind::InProgress,
+                    "a request with this key is still being processed; retry later",
+                )
+                .retry_after(self.config.retry_after_secs);
+                Step::Answer("in-progress", problem.into_response())
+            }
+            Claim::Claimed(message) => {
+                // Only a claim that found the key taken gets here; never commit this one.
+                tracing::error!("a claimed message reached the answer for a taken key");
+                discard(message).await;
+                let problem = Problem::new(
+                    ProblemKind::Internal,
+                    "the inbox could not process the request; nothing was committed",
+                );
+                Step::Answer("internal", problem.into_response())
+            }
+        }
+    }
+
+    /// Replays the recorded response of a finished command.
+    fn replayed(&self, entry: &InboxEntry) -> Step {
+        let span = tracing::info_span!(
+            "inbox.replay",
+            consumer = %self.identity.consumer(),
+            producer = %self.identity.producer().name(),
+            message_id = %self.identity.message_id(),
+            status = entry.response.as_ref().map(|r| r.status),
+        );
+        Step::Answer("replayed", span.in_scope(|| replay(entry)))
+    }
+
+    /// Refuses a key reused with a different payload, and quarantines the conflict.
+    async fn conflict(&self, entry: &InboxEntry) -> Step {
+        let config = &self.config;
+        tracing::warn!(
+            recorded_sha256 = %entry.payload_sha256,
+            sha256 = %self.fingerprint,
+            "idempotency key reused with a different payload"
+        );
+        // The answer does not depend on keeping the record; a failure is logged.
+        if let Err(err) = config
+            .inbox
+            .record_conflict(&self.identity, self.fingerprint, &config.handler_version)
+            .await
+        {
+            tracing::error!(error = %err, "could not quarantine the identity conflict");
+        }
+        let detail = format!(
+            "this {} was already used for a different request; use a new key for a new command",
+            config.key_header
+        );
+        let problem =
+            Problem::new(ProblemKind::PayloadMismatch, detail).with_status(config.mismatch_status);
+        Step::Answer("conflict", problem.into_response())
+    }
+
+    /// Answers a command this process completed before from the replay cache, if it holds
+    /// it: the recorded response, or the conflict if the payload differs.
+    async fn answer_cached(&self) -> Option<Step> {
+        let cache = self.config.replay_cache.as_ref()?;
+        let hit = cache.get(&self.identity)?;
+        let labels = self.config.inbox.metric_labels();
+        m::count(m::CACHE_HITS, &labels.of_consumer(&self.config.consumer), 1);
+        Some(if hit.fingerprint == self.fingerprint {
+            m::count(m::DUPLICATES, &labels.of(&self.identity), 1);
+            self.replayed(&hit.entry)
+        } else {
+            m::count(m::IDENTITY_CONFLICTS, &labels.of(&self.identity), 1);
+            self.conflict(&hit.entry).await
+        })
     }
 
     async fn run_handler<S, ResBody>(&self, mut service: S, slot: TxSlot) -> Result<Step, S::Error>
@@ -459,11 +526,24 @@ impl Command {
         };
         // From here the outcome is the database's, not the handler's.
         attempt.finish();
-        Ok(match message.commit(Some(&recorded)).await {
-            Ok(()) => Step::Answer(
-                "committed",
-                Response::from_parts(response_parts, Body::from(body)),
-            ),
+        Ok(match message.finish(Some(&recorded)).await {
+            Ok(Finished::Committed) => {
+                if let Some(cache) = &config.replay_cache {
+                    let entry = InboxEntry {
+                        payload_sha256: self.fingerprint.to_hex(),
+                        handler_version: config.handler_version.to_string(),
+                        processed: true,
+                        response: Some(recorded),
+                    };
+                    cache.insert(&self.identity, self.fingerprint, entry);
+                }
+                Step::Answer(
+                    "committed",
+                    Response::from_parts(response_parts, Body::from(body)),
+                )
+            }
+            // Claim at commit: the key was taken meanwhile and everything rolled back.
+            Ok(Finished::ClaimedElsewhere(seen)) => self.answer_seen(seen).await,
             Err(err) => match err.retry_reason() {
                 Some(reason) => Step::Rerun {
                     reason,

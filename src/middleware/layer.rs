@@ -7,8 +7,9 @@ use sqlx::PgPool;
 use tower::Layer;
 
 use super::service::InboxService;
+use crate::cache::ReplayCache;
 use crate::fingerprint::FingerprintStrategy;
-use crate::inbox::{Inbox, IsolationLevel};
+use crate::inbox::{ClaimMode, Inbox, IsolationLevel};
 use crate::key::MAX_KEY_LEN;
 use crate::metrics::MetricLabels;
 use crate::outcome::OutcomePolicy;
@@ -51,6 +52,8 @@ pub(crate) struct InboxConfig {
     pub(crate) fingerprint: FingerprintStrategy,
     pub(crate) quarantine_after: u32,
     pub(crate) transient_retry: TransientRetry,
+    pub(crate) claim_mode: ClaimMode,
+    pub(crate) replay_cache: Option<ReplayCache>,
 }
 
 /// A Tower layer that makes guarded requests exactly-once commands.
@@ -87,6 +90,8 @@ impl InboxLayer {
             isolation: IsolationLevel::default(),
             transient_retry: TransientRetry::default(),
             metric_labels: MetricLabels::default(),
+            claim_mode: ClaimMode::default(),
+            replay_cache: None,
         }
     }
 }
@@ -172,9 +177,26 @@ pub struct InboxLayerBuilder {
     isolation: IsolationLevel,
     transient_retry: TransientRetry,
     metric_labels: MetricLabels,
+    claim_mode: ClaimMode,
+    replay_cache: Option<ReplayCache>,
 }
 
 impl InboxLayerBuilder {
+    /// When the command's identity is claimed: first, before the handler (the default), or
+    /// at commit, after it, with the recorded response in the same statement. See
+    /// [`ClaimMode`] for the trade-off.
+    pub fn claim_mode(mut self, mode: ClaimMode) -> Self {
+        self.claim_mode = mode;
+        self
+    }
+
+    /// Answers duplicates of commands this process completed from memory (off by default).
+    /// The cache may be shared between layers. See [`ReplayCache`].
+    pub fn replay_cache(mut self, cache: ReplayCache) -> Self {
+        self.replay_cache = Some(cache);
+        self
+    }
+
     /// The isolation level of the claimed transaction (default `READ COMMITTED`). The claim
     /// stays correct at every level; stricter levels turn more contention into
     /// serialization failures, which are re-run.
@@ -361,6 +383,8 @@ impl InboxLayerBuilder {
                 fingerprint: self.fingerprint,
                 quarantine_after: self.quarantine_after,
                 transient_retry: self.transient_retry,
+                claim_mode: self.claim_mode,
+                replay_cache: self.replay_cache,
             }),
         })
     }
