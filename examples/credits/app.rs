@@ -22,27 +22,13 @@ use tower_inbox::{
 /// The consumer name the credits service claims commands under.
 pub const CONSUMER: &str = "credits";
 
-/// The example's own tables. A real service keeps these in its migrations.
+/// The example's own tables, from `schema.sql` beside this file (one copy: the pgbench runner
+/// in `benches/pgbench/` applies the same file). A real service keeps these in its migrations.
 ///
 /// The ledger deliberately has no unique constraint on the message identity: the inbox is
 /// what keeps a retried command from being applied twice, and the tests count ledger rows to
 /// prove it.
-const SCHEMA: &str = "
-create table if not exists credit_account (
-    account_id text primary key,
-    balance    bigint not null
-);
-create table if not exists credit_ledger (
-    id            bigint generated always as identity primary key,
-    account_id    text   not null references credit_account,
-    delta         bigint not null,
-    balance_after bigint not null,
-    consumer_name text   not null,
-    producer_name text   not null,
-    message_id    text   not null,
-    created_at    timestamptz not null default now()
-);
-";
+const SCHEMA: &str = include_str!("schema.sql");
 
 /// Runs the inbox migrations and creates the example's tables.
 pub async fn prepare(pool: &PgPool) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# The database's ceiling for the credits service: pgbench runs the statements the credits
+# handler and the inbox layer send (the *.sql files beside this script), with nothing else
+# around them, and prints tps, the ratio to the bare credit, and the latency at one client.
+#
+#   benches/pgbench/run.sh                      # 32 clients for 20 s per transaction
+#   CLIENTS=64 DURATION=60 benches/pgbench/run.sh
+#
+# Settings (environment):
+#   DATABASE_URL     the server to use (its database is only used to create ours); default
+#                    postgresql://postgres@127.0.0.1:5432. A server is required: this script
+#                    does not start one (the Rust test support's throwaway cluster is gone
+#                    once the tests end).
+#   CLIENTS          concurrent clients of the throughput runs (default 32)
+#   THREADS          pgbench threads (default 2)
+#   DURATION         seconds per throughput run (default 20)
+#   SINGLE_DURATION  seconds per one-client latency run (default 5)
+#   REPLAY_ROWS      recorded rows replay.sql and claim_duplicate.sql read from (default 100000)
+#   SCRIPTS          which scripts, in order (default: bare claim_first claim_at_commit replay
+#                    claim_duplicate)
+#
+# It drops and recreates the database tower_inbox_pgbench, applies the crate's migrations
+# and the example's schema (examples/credits/schema.sql) with psql, and before every run
+# resets the tables, reopens 10 000 accounts, records the replay rows, and checkpoints, so
+# that each run starts from the same state.
+set -euo pipefail
+
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+db=tower_inbox_pgbench
+clients="${CLIENTS:-32}"
+threads="${THREADS:-2}"
+duration="${DURATION:-20}"
+single_duration="${SINGLE_DURATION:-5}"
+replay_rows="${REPLAY_ROWS:-100000}"
+read -r -a scripts <<<"${SCRIPTS:-bare claim_first claim_at_commit replay claim_duplicate}"
+
+for tool in psql pgbench; do
+    command -v "$tool" >/dev/null || { echo "run.sh: $tool is not on PATH" >&2; exit 1; }
+done
+
+# The server: DATABASE_URL without its database and query, else the local default.
+url="${DATABASE_URL:-postgresql://postgres@127.0.0.1:5432}"
+base="${url%%\?*}"
+query="${url:${#base}}"
+if [[ "$base" =~ ^(postgres(ql)?://[^/]*)(/.*)?$ ]]; then
+    server="${BASH_REMATCH[1]}"
+else
+    echo "run.sh: DATABASE_URL must be a postgres:// or postgresql:// URL" >&2
+    exit 1
+fi
+maintenance="$server/postgres$query"
+scratch="$server/$db$query"
+
+if ! psql "$maintenance" -qAtc 'select 1' >/dev/null; then
+    echo "run.sh: no PostgreSQL at ${server#*@}; start one or set DATABASE_URL" >&2
+    exit 1
+fi
+
+sql() { psql "$scratch" -q -v ON_ERROR_STOP=1 "$@"; }
+
+echo "preparing $db on ${server#*@} ($(psql "$maintenance" -qAtc 'show server_version'))" >&2
+psql "$maintenance" -q -v ON_ERROR_STOP=1 -c "drop database if exists $db with (force)"
+psql "$maintenance" -q -v ON_ERROR_STOP=1 -c "create database $db"
+for migration in "$root"/migrations/*.sql; do
+    sql --single-transaction -f "$migration"
+done
+sql -f "$root/examples/credits/schema.sql"
+
+# Every run starts from the same tables: no ledger, 10 000 accounts at 0, REPLAY_ROWS recorded
+# responses, a fresh checkpoint.
+reset() {
+    sql >/dev/null <<SQL
+truncate credit_ledger, credit_account, consumer_inbox, consumer_inbox_failure,
+         inbox_quarantine restart identity;
+insert into credit_account (account_id, balance) select g::text, 0 from generate_series(0, 9999) g;
+insert into consumer_inbox
+    (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version,
+     processed_at, response_status, response_header_names, response_header_values, response_body)
+select 'credits', 'replay', '', g::text,
+       '2f0c6a7a3ac4b3b35e0c8c4e1b7d3f4a9a1e5c2d6b8f0e1a2c3d4e5f6a7b8c9d', '1',
+       now(), 201, '{content-type}', array['application/json'::bytea],
+       convert_to('{"account_id":"acct-' || g % 10000 || '","balance":42,"delta":1}', 'UTF8')
+from generate_series(1, $replay_rows) g;
+vacuum analyze;
+checkpoint;
+SQL
+}
+
+# A number from pgbench's summary, e.g. `field tps` for "tps = 7412.3 (without ...)".
+field() { sed -n "s/^$1 = \([0-9.]*\).*/\1/p" | head -n 1; }
+
+# Runs one script from a reset database; leaves pgbench's report in $report.
+report=""
+bench() {
+    local script="$1" n="$2" jobs="$3" seconds="$4"
+    reset
+    if ! report="$(pgbench -M prepared -n -c "$n" -j "$jobs" -T "$seconds" \
+        -D rows="$replay_rows" -f "$here/$script.sql" "$scratch" 2>&1)"; then
+        echo "$report" >&2
+        echo "run.sh: pgbench failed on $script.sql" >&2
+        exit 1
+    fi
+}
+
+declare -A tps latency
+for script in "${scripts[@]}"; do
+    echo "running $script.sql: $clients clients for ${duration}s, then 1 client for ${single_duration}s" >&2
+    bench "$script" "$clients" "$threads" "$duration"
+    tps[$script]="$(field tps <<<"$report")"
+    bench "$script" 1 1 "$single_duration"
+    latency[$script]="$(field 'latency average' <<<"$report")"
+done
+
+bare="${tps[bare]:-}"
+echo
+echo "| transaction | tps ($clients clients) | × bare | latency at 1 client |"
+echo "|---|---|---|---|"
+for script in "${scripts[@]}"; do
+    ratio="–"
+    if [[ -n "$bare" ]]; then
+        ratio="$(awk -v a="${tps[$script]}" -v b="$bare" 'BEGIN { printf "%.2f", a / b }')"
+    fi
+    printf '| %s | %.0f | %s | %s ms |\n' "$script" "${tps[$script]}" "$ratio" "${latency[$script]}"
+done
