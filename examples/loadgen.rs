@@ -1,0 +1,1496 @@
+//! A load generator for the credits service: what the inbox layer costs over real HTTP/1.1.
+//!
+//! It drives a **running** `examples/credits.rs` over keep-alive connections and runs the
+//! unprotected baseline route (`POST /baseline/accounts/{id}/credits`, the same credit in its
+//! own transaction) and the layered route (`POST /accounts/{id}/credits`) **in the same run,
+//! interleaved**: `--rounds R` alternates phases baseline → layered → baseline → layered …, so
+//! that machine noise hits both, and each route's figures are aggregated over its phases.
+//!
+//! ```sh
+//! # terminal 1: the service, with the baseline route
+//! CREDITS_BASELINE_ROUTE=1 cargo run --release --example credits
+//! # terminal 2: 3 rounds of 10 s per route, 32 connections, new keys only
+//! cargo run --release --example loadgen -- --connections 32 --duration 10 --rounds 3
+//! # half of the requests repeat a key this run already got an answer for
+//! cargo run --release --example loadgen -- --connections 32 --duration 10 --rounds 3 --duplicates 0.5
+//! # replays only, no baseline (e.g. to try a response cache)
+//! cargo run --release --example loadgen -- --routes layered --duplicates 1 --duration 10
+//! ```
+//!
+//! `benches/http.sh [loadgen arguments]` does all of it in one command: it builds both in
+//! release, starts the service with the baseline route on a free port, waits for it to listen,
+//! runs the load generator against it and stops the service again.
+//!
+//! # What it sends
+//!
+//! Each of `--connections` connections is one task that sends its requests back to back
+//! (closed loop: a new request as soon as the previous response has been read), for
+//! `--duration` seconds or until the phase's `--requests` are sent. Before the measured rounds,
+//! each route gets `--warmup` seconds whose figures are discarded (their errors are still
+//! reported). Every request credits one of `--accounts` accounts (`lg-0` … `lg-9999`), chosen at
+//! random, so that one account's row lock does not serialise the run; both routes credit the
+//! same accounts. Each request is one of three kinds:
+//!
+//! | kind | share | request | expected on the layered route | expected on the baseline |
+//! |---|---|---|---|---|
+//! | new | the rest | a key never sent before, `{"delta":1}` | 201, no `idempotent-replayed` | 201 |
+//! | duplicate | `--duplicates` | a key of the same route already answered with 201, the same account and body | 201 with `idempotent-replayed: true` | 201 (it credits again) |
+//! | conflict | `--conflicts` | such a key with `{"delta":2}` | 409 | 201 (it credits again) |
+//!
+//! Duplicates and conflicts pick from the last 1024 keys the same connection got answered, so a
+//! connection's first requests are new until it has one (the warmup fills them). Keys are
+//! `lg-<run id>-<route><connection>-<n>`, with a time-based run id, so a re-run against the
+//! same database never reuses a key. The producer is `--producer` (header `X-Producer`, default
+//! `loadgen`). Before any load, one new request per route (on account `lg-0`) checks that the
+//! route answers 201.
+//!
+//! # What it prints
+//!
+//! Per route and per kind (and all kinds together): requests sent (responses and transport
+//! errors), throughput (responses per second of the route's measured time, so the kinds add up
+//! to the route's throughput), p50, p99, p999 and max latency in milliseconds, mismatches (a
+//! response that is not the expected one above) and transport errors (connect, request, body,
+//! no response within `--timeout`); each route's throughput per phase; its responses by status
+//! and how many were replayed; then the ratios **layered / baseline**: throughput (layered
+//! req/s ÷ baseline req/s), p50 and p99, and the p99 of each layered kind against the
+//! baseline's. `--json` prints the same as one JSON object instead. The first distinct
+//! mismatches and errors are printed with their key and the start of the body. Latencies are
+//! recorded for every response, expected or not; a transport error has none, and its
+//! connection is closed and opened again.
+//!
+//! Exit status: 0 when every response was the expected one; 3 when the run completed but saw
+//! mismatches or transport errors (the figures are printed all the same, with a warning on
+//! stderr); 1 when it could not run (bad URL, server unreachable, or a route that does not
+//! answer a first request with 201, such as a service started without the baseline route);
+//! 2 for bad arguments.
+//!
+//! # Client cost
+//!
+//! The load generator shares the machine with the service and PostgreSQL, so it stays lean:
+//! one task per connection on a plain `hyper` HTTP/1.1 connection (no pool, no retries; hyper's
+//! connection driver is a task beside it); the bodies, request URIs and constant headers are
+//! built once and shared by reference count; keys are written into one buffer and split off,
+//! not allocated one by one; latencies go into an HDR histogram per connection and kind
+//! (3 significant digits, grown during the warmup and reset in place), merged at the end.
+//!
+//! It runs on a **current-thread** runtime by default. Measured on a busy 2-core machine at
+//! 1,000–3,000 req/s: about 35–55 µs of client CPU per request, about half of it in the kernel
+//! (socket reads and writes, wake-ups), i.e. under 10% of one core; a 2-worker runtime
+//! (`--threads 2`) reached no more requests and spent as much or more CPU per request (threads
+//! waking each other). One thread is far from its limit here, and a second one would only take
+//! CPU from the server and PostgreSQL. `--threads N` is there for a bigger machine. The report
+//! gives the client's own CPU time per request and its share of one core (`getrusage`, on
+//! Unix), and says so when the client was near a full core, i.e. the bottleneck itself.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::{Bytes, BytesMut};
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser, ValueEnum};
+use hdrhistogram::Histogram;
+use http::header::{CONTENT_TYPE, HOST};
+use http::{HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http1::SendRequest;
+use hyper_util::rt::TokioIo;
+use serde_json::{json, Value};
+use tokio::net::TcpStream;
+
+const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+const X_PRODUCER: HeaderName = HeaderName::from_static("x-producer");
+
+/// The body of a new request and of its duplicates.
+const CREDIT_BODY: &[u8] = br#"{"delta":1}"#;
+/// The body of a conflict: the same key, another delta.
+const CONFLICT_BODY: &[u8] = br#"{"delta":2}"#;
+/// Answered keys each connection remembers for duplicates and conflicts.
+const ANSWERED_KEYS: usize = 1024;
+/// Mismatch and error descriptions each connection keeps for the report.
+const SAMPLES_PER_CONNECTION: usize = 3;
+/// Mismatch and error descriptions the report prints.
+const SAMPLES_PRINTED: usize = 10;
+/// Bytes of an unexpected response body kept for the report.
+const SAMPLE_BODY_BYTES: usize = 200;
+/// Pause after a failed connect, so that a dead server is not hammered.
+const RECONNECT_PAUSE: Duration = Duration::from_millis(100);
+
+/// Drives a running credits service (examples/credits.rs) over HTTP/1.1 and compares the
+/// layered route with the unprotected baseline route, interleaved in one run.
+#[derive(Parser, Debug)]
+#[command(name = "loadgen", version, about)]
+struct Args {
+    /// Base URL of the running service (http only).
+    #[arg(long, default_value = "http://127.0.0.1:3000")]
+    url: String,
+    /// Keep-alive connections per route; each sends its requests back to back.
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    connections: u32,
+    /// Seconds per phase [default: 10, unless --requests is given].
+    #[arg(long, value_name = "SECS", value_parser = parse_phase_secs, conflicts_with = "requests")]
+    duration: Option<Duration>,
+    /// Requests per phase, over all connections, instead of a duration.
+    #[arg(long, value_name = "COUNT", value_parser = clap::value_parser!(u64).range(1..))]
+    requests: Option<u64>,
+    /// Phases per route: R rounds of baseline then layered.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    rounds: u32,
+    /// Share (0 to 1) of requests that repeat an already answered key of the same route.
+    #[arg(long, value_name = "RATIO", default_value_t = 0.0, value_parser = parse_ratio)]
+    duplicates: f64,
+    /// Share (0 to 1) of requests that reuse an answered key with a different delta.
+    #[arg(long, value_name = "RATIO", default_value_t = 0.0, value_parser = parse_ratio)]
+    conflicts: f64,
+    /// Accounts the credits are spread over (their request URIs are built up front).
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    accounts: u32,
+    /// The X-Producer header: the producer the layer scopes the keys to.
+    #[arg(long, value_name = "NAME", default_value = "loadgen")]
+    producer: String,
+    /// Seconds of unmeasured load per route before the first round (0: none).
+    #[arg(long, value_name = "SECS", default_value = "1", value_parser = parse_secs)]
+    warmup: Duration,
+    /// Which routes to load: both interleaved, or one alone.
+    #[arg(long, value_enum, default_value_t = Routes::Both)]
+    routes: Routes,
+    /// Seconds a request may take before it counts as a transport error.
+    #[arg(long, value_name = "SECS", default_value = "10", value_parser = parse_phase_secs)]
+    timeout: Duration,
+    /// Client runtime threads: 1 is a current-thread runtime, more a multi-thread one.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    threads: u32,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The routes a run loads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Routes {
+    /// The baseline and the layered route, interleaved, with their ratios.
+    Both,
+    /// Only the layered route (no baseline needed on the server).
+    Layered,
+    /// Only the unprotected baseline route.
+    Baseline,
+}
+
+impl Routes {
+    fn list(self) -> &'static [Route] {
+        match self {
+            Routes::Both => &[Route::Baseline, Route::Layered],
+            Routes::Layered => &[Route::Layered],
+            Routes::Baseline => &[Route::Baseline],
+        }
+    }
+}
+
+/// A seconds value: finite, not negative, at most a day.
+fn parse_secs(text: &str) -> Result<Duration, String> {
+    let secs: f64 = text
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number of seconds"))?;
+    if !secs.is_finite() || !(0.0..=86_400.0).contains(&secs) {
+        return Err(format!("`{text}` is not between 0 and 86400 seconds"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// Like [`parse_secs`], but more than zero.
+fn parse_phase_secs(text: &str) -> Result<Duration, String> {
+    match parse_secs(text)? {
+        d if d.is_zero() => Err("must be more than 0 seconds".to_owned()),
+        d => Ok(d),
+    }
+}
+
+/// A share from 0 to 1.
+fn parse_ratio(text: &str) -> Result<f64, String> {
+    let ratio: f64 = text
+        .parse()
+        .map_err(|_| format!("`{text}` is not a number"))?;
+    if !(0.0..=1.0).contains(&ratio) {
+        return Err(format!("`{text}` is not between 0 and 1"));
+    }
+    Ok(ratio)
+}
+
+/// One of the two routes the service serves the credit on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Route {
+    Baseline,
+    Layered,
+}
+
+impl Route {
+    fn name(self) -> &'static str {
+        match self {
+            Route::Baseline => "baseline",
+            Route::Layered => "layered",
+        }
+    }
+
+    fn path_prefix(self) -> &'static str {
+        match self {
+            Route::Baseline => "/baseline/accounts/",
+            Route::Layered => "/accounts/",
+        }
+    }
+
+    /// The route's letter in keys.
+    fn tag(self) -> char {
+        match self {
+            Route::Baseline => 'b',
+            Route::Layered => 'l',
+        }
+    }
+
+    /// The response a request of `kind` must get on this route: status and whether it is
+    /// marked `idempotent-replayed: true`.
+    fn expected(self, kind: Kind) -> (StatusCode, bool) {
+        match (self, kind) {
+            (Route::Layered, Kind::Duplicate) => (StatusCode::CREATED, true),
+            (Route::Layered, Kind::Conflict) => (StatusCode::CONFLICT, false),
+            _ => (StatusCode::CREATED, false),
+        }
+    }
+}
+
+/// What a request is, relative to the keys already answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    New,
+    Duplicate,
+    Conflict,
+}
+
+const KINDS: [Kind; 3] = [Kind::New, Kind::Duplicate, Kind::Conflict];
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::New => "new",
+            Kind::Duplicate => "duplicate",
+            Kind::Conflict => "conflict",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// Where the service listens, resolved once.
+struct Target {
+    addr: SocketAddr,
+    /// The `Host` header.
+    host: HeaderValue,
+    /// The URL's path without a trailing slash, put before the routes' paths.
+    base_path: String,
+}
+
+async fn resolve(url: &str) -> Result<Target, String> {
+    let uri: Uri = url
+        .parse()
+        .map_err(|e| format!("--url `{url}` is not a URL: {e}"))?;
+    if uri.scheme_str() != Some("http") {
+        return Err(format!("--url `{url}`: only http:// is supported"));
+    }
+    if uri.query().is_some() {
+        return Err(format!("--url `{url}` must not have a query"));
+    }
+    let authority = uri
+        .authority()
+        .ok_or_else(|| format!("--url `{url}` has no host"))?;
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']');
+    let port = authority.port_u16().unwrap_or(80);
+    let addr = tokio::net::lookup_host((host, port))
+        .await
+        .map_err(|e| format!("--url `{url}`: cannot resolve `{host}`: {e}"))?
+        .next()
+        .ok_or_else(|| format!("--url `{url}`: `{host}` has no address"))?;
+    let host = HeaderValue::from_str(authority.as_str())
+        .map_err(|e| format!("--url `{url}`: bad host: {e}"))?;
+    Ok(Target {
+        addr,
+        host,
+        base_path: uri.path().trim_end_matches('/').to_owned(),
+    })
+}
+
+/// Everything the connections share, built once.
+struct Plan {
+    target: Target,
+    producer: HeaderValue,
+    content_type: HeaderValue,
+    credit_body: Bytes,
+    conflict_body: Bytes,
+    /// Per route (indexed by `Route as usize`), the request URI of every account.
+    uris: [Vec<Uri>; 2],
+    duplicates: f64,
+    conflicts: f64,
+    timeout: Duration,
+    run_id: String,
+}
+
+impl Plan {
+    fn new(args: &Args, target: Target, run_id: String) -> Result<Plan, String> {
+        let producer = HeaderValue::from_str(&args.producer)
+            .ok()
+            .filter(|_| {
+                !args.producer.is_empty() && args.producer.bytes().all(|b| b.is_ascii_graphic())
+            })
+            .ok_or_else(|| {
+                format!(
+                    "--producer `{}` must be visible ASCII without spaces",
+                    args.producer
+                )
+            })?;
+        let uris = |route: Route| -> Result<Vec<Uri>, String> {
+            let mut path = String::new();
+            (0..args.accounts)
+                .map(|account| {
+                    path.clear();
+                    let _ = write!(
+                        path,
+                        "{}{}lg-{account}/credits",
+                        target.base_path,
+                        route.path_prefix()
+                    );
+                    Uri::try_from(path.as_str()).map_err(|e| format!("bad path `{path}`: {e}"))
+                })
+                .collect()
+        };
+        Ok(Plan {
+            uris: [uris(Route::Baseline)?, uris(Route::Layered)?],
+            target,
+            producer,
+            content_type: HeaderValue::from_static("application/json"),
+            credit_body: Bytes::from_static(CREDIT_BODY),
+            conflict_body: Bytes::from_static(CONFLICT_BODY),
+            duplicates: args.duplicates,
+            conflicts: args.conflicts,
+            timeout: args.timeout,
+            run_id,
+        })
+    }
+
+    /// The request for `key` on `account` of `route`; `conflict` sends the other delta.
+    fn request(
+        &self,
+        route: Route,
+        account: u32,
+        key: HeaderValue,
+        conflict: bool,
+    ) -> Request<Full<Bytes>> {
+        let body = if conflict {
+            self.conflict_body.clone()
+        } else {
+            self.credit_body.clone()
+        };
+        let mut request = Request::new(Full::new(body));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = self.uris[route as usize][account as usize].clone();
+        let headers = request.headers_mut();
+        headers.reserve(4);
+        headers.insert(HOST, self.target.host.clone());
+        headers.insert(CONTENT_TYPE, self.content_type.clone());
+        headers.insert(X_PRODUCER, self.producer.clone());
+        headers.insert(IDEMPOTENCY_KEY, key);
+        request
+    }
+}
+
+/// Writes a connection's keys into one buffer and splits each off, instead of allocating one
+/// string per request.
+struct KeyMaker {
+    buffer: BytesMut,
+    prefix: String,
+    next: u64,
+}
+
+impl KeyMaker {
+    fn new(run_id: &str, route: Route, connection: u32) -> KeyMaker {
+        KeyMaker {
+            buffer: BytesMut::new(),
+            prefix: format!("lg-{run_id}-{}{connection}-", route.tag()),
+            next: 0,
+        }
+    }
+
+    fn next_key(&mut self) -> HeaderValue {
+        if self.buffer.capacity() - self.buffer.len() < self.prefix.len() + 20 {
+            self.buffer.reserve(16 * 1024);
+        }
+        self.buffer.extend_from_slice(self.prefix.as_bytes());
+        let _ = write!(self.buffer, "{}", self.next);
+        self.next += 1;
+        HeaderValue::from_maybe_shared(self.buffer.split().freeze())
+            .expect("a key is the run id (hex), a route letter and numbers: visible ASCII")
+    }
+}
+
+/// A key that got its 201, for duplicates and conflicts.
+struct Answered {
+    key: HeaderValue,
+    account: u32,
+}
+
+/// The last [`ANSWERED_KEYS`] keys a connection got answered.
+struct AnsweredKeys {
+    keys: Vec<Answered>,
+    oldest: usize,
+}
+
+impl AnsweredKeys {
+    fn new() -> AnsweredKeys {
+        AnsweredKeys {
+            keys: Vec::with_capacity(ANSWERED_KEYS),
+            oldest: 0,
+        }
+    }
+
+    fn push(&mut self, answered: Answered) {
+        if self.keys.len() < ANSWERED_KEYS {
+            self.keys.push(answered);
+        } else {
+            self.keys[self.oldest] = answered;
+            self.oldest = (self.oldest + 1) % ANSWERED_KEYS;
+        }
+    }
+
+    fn pick(&self, rng: &mut fastrand::Rng) -> Option<&Answered> {
+        if self.keys.is_empty() {
+            None
+        } else {
+            self.keys.get(rng.usize(..self.keys.len()))
+        }
+    }
+}
+
+/// Why a request got no response.
+#[derive(Clone, Copy, Debug)]
+enum Failure {
+    Connect,
+    Request,
+    Body,
+    Timeout,
+}
+
+const FAILURES: [Failure; 4] = [
+    Failure::Connect,
+    Failure::Request,
+    Failure::Body,
+    Failure::Timeout,
+];
+
+impl Failure {
+    fn name(self) -> &'static str {
+        match self {
+            Failure::Connect => "connect",
+            Failure::Request => "request",
+            Failure::Body => "body",
+            Failure::Timeout => "timeout",
+        }
+    }
+}
+
+/// What one kind of request on one route got.
+#[derive(Clone)]
+struct KindStats {
+    /// Latency of every response, in microseconds.
+    latency: Histogram<u64>,
+    responses: u64,
+    mismatches: u64,
+    /// Transport errors by [`Failure`].
+    errors: [u64; 4],
+    /// Responses by status code.
+    statuses: Vec<(u16, u64)>,
+    /// Responses marked `idempotent-replayed: true`.
+    replayed: u64,
+}
+
+impl KindStats {
+    fn new() -> KindStats {
+        KindStats {
+            // Auto-resizing, 3 significant digits: small until long latencies show up.
+            latency: Histogram::new(3).expect("3 significant digits are supported"),
+            responses: 0,
+            mismatches: 0,
+            errors: [0; 4],
+            statuses: Vec::new(),
+            replayed: 0,
+        }
+    }
+
+    fn record(&mut self, latency: Duration, status: StatusCode, replayed: bool, mismatch: bool) {
+        // `record` grows the auto-resizing histogram; `saturating_record` would clamp to
+        // its current range.
+        let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+        if self.latency.record(micros).is_err() {
+            self.latency.saturating_record(micros);
+        }
+        self.responses += 1;
+        self.mismatches += u64::from(mismatch);
+        self.replayed += u64::from(replayed);
+        let status = status.as_u16();
+        match self.statuses.iter_mut().find(|(s, _)| *s == status) {
+            Some((_, n)) => *n += 1,
+            None => self.statuses.push((status, 1)),
+        }
+    }
+
+    /// Forgets what was recorded, keeping the histogram's grown range (no re-allocation in
+    /// the next phase).
+    fn clear(&mut self) {
+        self.latency.reset();
+        self.responses = 0;
+        self.mismatches = 0;
+        self.errors = [0; 4];
+        self.statuses.clear();
+        self.replayed = 0;
+    }
+
+    fn errors(&self) -> u64 {
+        self.errors.iter().sum()
+    }
+
+    /// Requests sent: responses and transport errors.
+    fn requests(&self) -> u64 {
+        self.responses + self.errors()
+    }
+
+    fn merge(&mut self, other: &KindStats) -> Result<(), String> {
+        self.latency
+            .add(&other.latency)
+            .map_err(|e| format!("merging latency histograms: {e:?}"))?;
+        self.responses += other.responses;
+        self.mismatches += other.mismatches;
+        for (mine, theirs) in self.errors.iter_mut().zip(other.errors) {
+            *mine += theirs;
+        }
+        for &(status, n) in &other.statuses {
+            match self.statuses.iter_mut().find(|(s, _)| *s == status) {
+                Some((_, mine)) => *mine += n,
+                None => self.statuses.push((status, n)),
+            }
+        }
+        self.replayed += other.replayed;
+        Ok(())
+    }
+}
+
+/// What one route got, per kind, with the first mismatches and errors described.
+#[derive(Clone)]
+struct Stats {
+    kinds: [KindStats; 3],
+    samples: Vec<String>,
+}
+
+impl Stats {
+    fn new() -> Stats {
+        Stats {
+            kinds: [KindStats::new(), KindStats::new(), KindStats::new()],
+            samples: Vec::new(),
+        }
+    }
+
+    fn requests(&self) -> u64 {
+        self.kinds.iter().map(KindStats::requests).sum()
+    }
+
+    fn responses(&self) -> u64 {
+        self.kinds.iter().map(|k| k.responses).sum()
+    }
+
+    fn mismatches(&self) -> u64 {
+        self.kinds.iter().map(|k| k.mismatches).sum()
+    }
+
+    fn errors(&self) -> u64 {
+        self.kinds.iter().map(KindStats::errors).sum()
+    }
+
+    /// All kinds together.
+    fn all(&self) -> Result<KindStats, String> {
+        let mut all = KindStats::new();
+        for kind in &self.kinds {
+            all.merge(kind)?;
+        }
+        Ok(all)
+    }
+
+    fn merge(&mut self, other: &Stats) -> Result<(), String> {
+        for (mine, theirs) in self.kinds.iter_mut().zip(&other.kinds) {
+            mine.merge(theirs)?;
+        }
+        for sample in &other.samples {
+            if self.samples.len() < SAMPLES_PRINTED && !self.samples.contains(sample) {
+                self.samples.push(sample.clone());
+            }
+        }
+        Ok(())
+    }
+
+    fn clear(&mut self) {
+        self.kinds.iter_mut().for_each(KindStats::clear);
+        self.samples.clear();
+    }
+
+    fn sample(&mut self, describe: impl FnOnce() -> String) {
+        if self.samples.len() < SAMPLES_PER_CONNECTION {
+            let sample = describe();
+            if !self.samples.contains(&sample) {
+                self.samples.push(sample);
+            }
+        }
+    }
+}
+
+/// One connection's state on one route, kept across phases: its keys, the keys it got
+/// answered and what it measured.
+struct Slot {
+    route: Route,
+    rng: fastrand::Rng,
+    keys: KeyMaker,
+    answered: AnsweredKeys,
+    stats: Stats,
+}
+
+/// When a phase ends.
+#[derive(Clone)]
+enum Stop {
+    At(Instant),
+    /// Requests left to send over all connections.
+    Budget(Arc<AtomicU64>),
+}
+
+impl Stop {
+    /// Whether one more request may be sent.
+    fn admit(&self, now: Instant) -> bool {
+        match self {
+            Stop::At(deadline) => now < *deadline,
+            Stop::Budget(left) => left
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok(),
+        }
+    }
+}
+
+/// How long each phase runs.
+#[derive(Clone, Copy)]
+enum Limit {
+    Duration(Duration),
+    Requests(u64),
+}
+
+type Sender = SendRequest<Full<Bytes>>;
+
+/// Opens one HTTP/1.1 connection; its driver runs as a task of its own until the sender is
+/// dropped or the server closes it.
+async fn connect(target: &Target) -> Result<Sender, String> {
+    let stream = TcpStream::connect(target.addr)
+        .await
+        .map_err(|e| format!("connect to {}: {e}", target.addr))?;
+    stream
+        .set_nodelay(true)
+        .map_err(|e| format!("TCP_NODELAY: {e}"))?;
+    let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| format!("HTTP/1.1 handshake: {e}"))?;
+    // Its errors reach the sender: the request in flight fails with them.
+    tokio::spawn(async move {
+        let _ = connection.await;
+    });
+    Ok(sender)
+}
+
+/// A response as far as the checks need it.
+struct Reply {
+    status: StatusCode,
+    replayed: bool,
+    /// The start of the body, kept only when the response was not the expected one.
+    unexpected_body: Option<Vec<u8>>,
+}
+
+/// Sends `request` on `sender` and reads the whole response (so that the connection can be
+/// reused), keeping the start of the body only if it is not the `expected` response.
+async fn exchange(
+    sender: &mut Sender,
+    request: Request<Full<Bytes>>,
+    expected: (StatusCode, bool),
+) -> Result<Reply, (Failure, String)> {
+    sender
+        .ready()
+        .await
+        .map_err(|e| (Failure::Request, e.to_string()))?;
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(|e| (Failure::Request, e.to_string()))?;
+    let status = response.status();
+    let replayed = response
+        .headers()
+        .get(IDEMPOTENT_REPLAYED)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
+    let mut unexpected_body = ((status, replayed) != expected).then(Vec::new);
+    let mut body = response.into_body();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| (Failure::Body, e.to_string()))?;
+        if let (Some(kept), Some(data)) = (unexpected_body.as_mut(), frame.data_ref()) {
+            let room = SAMPLE_BODY_BYTES.saturating_sub(kept.len());
+            kept.extend_from_slice(&data[..data.len().min(room)]);
+        }
+    }
+    Ok(Reply {
+        status,
+        replayed,
+        unexpected_body,
+    })
+}
+
+/// One connection's closed loop for one phase.
+async fn drive(mut slot: Slot, plan: Arc<Plan>, mut sender: Option<Sender>, stop: Stop) -> Slot {
+    let route = slot.route;
+    let accounts = u32::try_from(plan.uris[route as usize].len()).unwrap_or(u32::MAX);
+    loop {
+        if !stop.admit(Instant::now()) {
+            break;
+        }
+        // The kind, then the key and account it needs.
+        let draw = slot.rng.f64();
+        let wanted = if draw < plan.duplicates {
+            Kind::Duplicate
+        } else if draw < plan.duplicates + plan.conflicts {
+            Kind::Conflict
+        } else {
+            Kind::New
+        };
+        let (kind, key, account) = match (wanted, slot.answered.pick(&mut slot.rng)) {
+            (Kind::Duplicate | Kind::Conflict, Some(answered)) => {
+                (wanted, answered.key.clone(), answered.account)
+            }
+            _ => (Kind::New, slot.keys.next_key(), slot.rng.u32(..accounts)),
+        };
+        let expected = route.expected(kind);
+        let stats = &mut slot.stats;
+        let kind_stats = &mut stats.kinds[kind.index()];
+
+        let connection = match sender.as_mut() {
+            Some(s) if !s.is_closed() => s,
+            _ => match connect(&plan.target).await {
+                Ok(s) => sender.insert(s),
+                Err(e) => {
+                    sender = None;
+                    kind_stats.errors[Failure::Connect as usize] += 1;
+                    stats
+                        .sample(|| format!("{} {}: connect error: {e}", route.name(), kind.name()));
+                    tokio::time::sleep(RECONNECT_PAUSE).await;
+                    continue;
+                }
+            },
+        };
+        let request = plan.request(route, account, key.clone(), kind == Kind::Conflict);
+        let started = Instant::now();
+        let outcome =
+            tokio::time::timeout(plan.timeout, exchange(connection, request, expected)).await;
+        let latency = started.elapsed();
+        match outcome {
+            Ok(Ok(reply)) => {
+                let mismatch = (reply.status, reply.replayed) != expected;
+                kind_stats.record(latency, reply.status, reply.replayed, mismatch);
+                if mismatch {
+                    let body = reply.unexpected_body.unwrap_or_default();
+                    stats.sample(|| {
+                        format!(
+                            "{} {} key {}: got {}{}, expected {}{}; body: {}",
+                            route.name(),
+                            kind.name(),
+                            String::from_utf8_lossy(key.as_bytes()),
+                            reply.status.as_u16(),
+                            replayed_note(reply.replayed),
+                            expected.0.as_u16(),
+                            replayed_note(expected.1),
+                            String::from_utf8_lossy(&body),
+                        )
+                    });
+                } else if kind == Kind::New {
+                    slot.answered.push(Answered { key, account });
+                }
+            }
+            Ok(Err((failure, error))) => {
+                sender = None;
+                kind_stats.errors[failure as usize] += 1;
+                stats.sample(|| {
+                    format!(
+                        "{} {} key {}: {} error: {error}",
+                        route.name(),
+                        kind.name(),
+                        String::from_utf8_lossy(key.as_bytes()),
+                        failure.name()
+                    )
+                });
+            }
+            Err(_elapsed) => {
+                // The connection is in the middle of an exchange: it cannot be reused.
+                sender = None;
+                kind_stats.errors[Failure::Timeout as usize] += 1;
+                stats.sample(|| {
+                    format!(
+                        "{} {} key {}: no response within {:?}",
+                        route.name(),
+                        kind.name(),
+                        String::from_utf8_lossy(key.as_bytes()),
+                        plan.timeout
+                    )
+                });
+            }
+        }
+    }
+    slot
+}
+
+fn replayed_note(replayed: bool) -> &'static str {
+    if replayed {
+        " replayed"
+    } else {
+        ""
+    }
+}
+
+/// One phase's figures.
+#[derive(Clone, Copy)]
+struct Phase {
+    requests: u64,
+    elapsed: Duration,
+    /// The load generator's own CPU time during the phase, where the platform tells it.
+    cpu: Option<Duration>,
+}
+
+/// Runs one phase of `route` on all its connections and hands the slots back.
+async fn run_phase(
+    plan: &Arc<Plan>,
+    slots: Vec<Slot>,
+    limit: Limit,
+) -> Result<(Vec<Slot>, Phase), String> {
+    let before: u64 = slots.iter().map(|s| s.stats.requests()).sum();
+    // Connect first, so that the phase measures requests, not handshakes. A connection that
+    // fails here is retried (and counted) by its task.
+    let mut senders = Vec::with_capacity(slots.len());
+    for _ in &slots {
+        senders.push(connect(&plan.target).await.ok());
+    }
+    let cpu_before = cpu_time();
+    let started = Instant::now();
+    let stop = match limit {
+        Limit::Duration(d) => Stop::At(started + d),
+        Limit::Requests(n) => Stop::Budget(Arc::new(AtomicU64::new(n))),
+    };
+    let tasks: Vec<_> = slots
+        .into_iter()
+        .zip(senders)
+        .map(|(slot, sender)| tokio::spawn(drive(slot, plan.clone(), sender, stop.clone())))
+        .collect();
+    let mut slots = Vec::with_capacity(tasks.len());
+    for task in tasks {
+        slots.push(
+            task.await
+                .map_err(|e| format!("a connection task failed: {e}"))?,
+        );
+    }
+    let elapsed = started.elapsed();
+    let cpu = cpu_time()
+        .zip(cpu_before)
+        .map(|(after, before)| after.saturating_sub(before));
+    let after: u64 = slots.iter().map(|s| s.stats.requests()).sum();
+    Ok((
+        slots,
+        Phase {
+            requests: after - before,
+            elapsed,
+            cpu,
+        },
+    ))
+}
+
+/// The process's user and system CPU time so far.
+#[cfg(unix)]
+fn cpu_time() -> Option<Duration> {
+    // SAFETY: `rusage` is plain data, for which all zeroes is a valid value, and getrusage
+    // only writes into the struct it is given.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        if libc::getrusage(libc::RUSAGE_SELF, &mut usage) != 0 {
+            return None;
+        }
+        usage
+    };
+    let time = |t: libc::timeval| {
+        Duration::from_secs(u64::try_from(t.tv_sec).unwrap_or(0))
+            + Duration::from_micros(u64::try_from(t.tv_usec).unwrap_or(0))
+    };
+    Some(time(usage.ru_utime) + time(usage.ru_stime))
+}
+
+#[cfg(not(unix))]
+fn cpu_time() -> Option<Duration> {
+    None
+}
+
+/// Everything one route measured.
+struct RouteReport {
+    route: Route,
+    stats: Stats,
+    phases: Vec<Phase>,
+    warmup: Stats,
+}
+
+impl RouteReport {
+    fn elapsed(&self) -> Duration {
+        self.phases.iter().map(|p| p.elapsed).sum()
+    }
+
+    fn cpu(&self) -> Option<Duration> {
+        self.phases.iter().map(|p| p.cpu).sum()
+    }
+
+    /// The first distinct mismatches and errors, warmup included.
+    fn samples(&self) -> Vec<&str> {
+        let mut samples: Vec<&str> = Vec::new();
+        for sample in self.warmup.samples.iter().chain(&self.stats.samples) {
+            if samples.len() < SAMPLES_PRINTED && !samples.contains(&sample.as_str()) {
+                samples.push(sample);
+            }
+        }
+        samples
+    }
+}
+
+/// A run id unique enough that re-runs against the same database never share a key: the
+/// time in milliseconds and 16 random bits, in hex.
+fn run_id() -> String {
+    let millis = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0);
+    format!("{millis:x}{:04x}", fastrand::u16(..))
+}
+
+/// Checks, before any load, that the service answers each route as expected, so that a
+/// wrong URL or a service without the baseline route fails clearly instead of as a flood of
+/// mismatches.
+async fn preflight(plan: &Plan, routes: &[Route]) -> Result<(), String> {
+    let mut sender = connect(&plan.target).await.map_err(|e| {
+        format!("{e}: is the credits service running (cargo run --release --example credits)?")
+    })?;
+    for &route in routes {
+        let key = format!("lg-{}-{}-preflight", plan.run_id, route.tag());
+        let key = HeaderValue::from_str(&key).map_err(|e| format!("preflight key: {e}"))?;
+        let request = plan.request(route, 0, key, false);
+        let expected = route.expected(Kind::New);
+        let reply = tokio::time::timeout(plan.timeout, exchange(&mut sender, request, expected))
+            .await
+            .map_err(|_| {
+                format!(
+                    "{} route: no response within {:?}",
+                    route.name(),
+                    plan.timeout
+                )
+            })?
+            .map_err(|(failure, e)| {
+                format!("{} route: {} error: {e}", route.name(), failure.name())
+            })?;
+        if (reply.status, reply.replayed) != expected {
+            let hint = match (route, reply.status) {
+                (Route::Baseline, StatusCode::NOT_FOUND) => {
+                    ": start the service with CREDITS_BASELINE_ROUTE=1, or pass --routes layered"
+                }
+                _ => "",
+            };
+            return Err(format!(
+                "{} route answered {}{} instead of {}{hint}; body: {}",
+                route.name(),
+                reply.status,
+                replayed_note(reply.replayed),
+                expected.0,
+                String::from_utf8_lossy(&reply.unexpected_body.unwrap_or_default()),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Runs the warmup and the rounds; returns the run id and what each route measured.
+async fn run(args: &Args) -> Result<(String, Vec<RouteReport>), String> {
+    let target = resolve(&args.url).await?;
+    let plan = Arc::new(Plan::new(args, target, run_id())?);
+    let routes = args.routes.list();
+    preflight(&plan, routes).await?;
+
+    let limit = match (args.requests, args.duration) {
+        (Some(n), _) => Limit::Requests(n),
+        (None, Some(d)) => Limit::Duration(d),
+        (None, None) => Limit::Duration(Duration::from_secs(10)),
+    };
+    // Per route, its connections' slots, then what it measured.
+    let mut state: Vec<(Vec<Slot>, RouteReport)> = routes
+        .iter()
+        .map(|&route| {
+            let slots = (0..args.connections)
+                .map(|connection| Slot {
+                    route,
+                    rng: fastrand::Rng::new(),
+                    keys: KeyMaker::new(&plan.run_id, route, connection),
+                    answered: AnsweredKeys::new(),
+                    stats: Stats::new(),
+                })
+                .collect();
+            let report = RouteReport {
+                route,
+                stats: Stats::new(),
+                phases: Vec::new(),
+                warmup: Stats::new(),
+            };
+            (slots, report)
+        })
+        .collect();
+
+    if !args.warmup.is_zero() {
+        for (slots, report) in &mut state {
+            let (mut warm, _) =
+                run_phase(&plan, std::mem::take(slots), Limit::Duration(args.warmup)).await?;
+            // Keep the keys answered for duplicates, drop the figures (but not the errors).
+            for slot in &mut warm {
+                report.warmup.merge(&slot.stats)?;
+                slot.stats.clear();
+            }
+            *slots = warm;
+        }
+    }
+    for _ in 0..args.rounds {
+        for (slots, report) in &mut state {
+            let (done, phase) = run_phase(&plan, std::mem::take(slots), limit).await?;
+            report.phases.push(phase);
+            *slots = done;
+        }
+    }
+    let mut reports = Vec::with_capacity(state.len());
+    for (slots, mut report) in state {
+        for slot in &slots {
+            report.stats.merge(&slot.stats)?;
+        }
+        reports.push(report);
+    }
+    Ok((plan.run_id.clone(), reports))
+}
+
+/// What the report prints for one kind (or all kinds) of one route: the counts, the rate
+/// over the route's measured time and the latency percentiles.
+struct Figures {
+    stats: KindStats,
+    per_second: f64,
+    p50_us: u64,
+    p99_us: u64,
+    p999_us: u64,
+}
+
+impl Figures {
+    fn of(mut stats: KindStats, elapsed: Duration) -> Figures {
+        stats.statuses.sort_unstable();
+        let secs = elapsed.as_secs_f64();
+        Figures {
+            per_second: if secs > 0.0 {
+                stats.responses as f64 / secs
+            } else {
+                0.0
+            },
+            p50_us: stats.latency.value_at_quantile(0.5),
+            p99_us: stats.latency.value_at_quantile(0.99),
+            p999_us: stats.latency.value_at_quantile(0.999),
+            stats,
+        }
+    }
+
+    fn json(&self) -> Value {
+        let stats = &self.stats;
+        let errors: serde_json::Map<String, Value> = FAILURES
+            .iter()
+            .map(|f| (f.name().to_owned(), json!(stats.errors[*f as usize])))
+            .collect();
+        let statuses: serde_json::Map<String, Value> = stats
+            .statuses
+            .iter()
+            .map(|(s, n)| (s.to_string(), json!(n)))
+            .collect();
+        json!({
+            "requests": stats.requests(),
+            "responses": stats.responses,
+            "per_second": self.per_second,
+            "p50_us": self.p50_us,
+            "p99_us": self.p99_us,
+            "p999_us": self.p999_us,
+            "max_us": stats.latency.max(),
+            "mismatches": stats.mismatches,
+            "errors": errors,
+            "statuses": statuses,
+            "replayed": stats.replayed,
+        })
+    }
+}
+
+/// One route's figures: all kinds, then each kind that was sent.
+struct RouteFigures<'a> {
+    report: &'a RouteReport,
+    all: Figures,
+    kinds: Vec<(Kind, Figures)>,
+}
+
+impl<'a> RouteFigures<'a> {
+    fn of(report: &'a RouteReport) -> Result<RouteFigures<'a>, String> {
+        let elapsed = report.elapsed();
+        Ok(RouteFigures {
+            report,
+            all: Figures::of(report.stats.all()?, elapsed),
+            kinds: KINDS
+                .iter()
+                .filter(|k| report.stats.kinds[k.index()].requests() > 0)
+                .map(|&k| {
+                    (
+                        k,
+                        Figures::of(report.stats.kinds[k.index()].clone(), elapsed),
+                    )
+                })
+                .collect(),
+        })
+    }
+
+    fn phase_rates(&self) -> Vec<f64> {
+        self.report
+            .phases
+            .iter()
+            .map(|p| p.requests as f64 / p.elapsed.as_secs_f64().max(f64::EPSILON))
+            .collect()
+    }
+
+    /// The client's CPU time per request and its share of one core.
+    fn client_cpu(&self) -> Option<(f64, f64)> {
+        let cpu = self.report.cpu()?.as_secs_f64();
+        let requests = self.report.stats.requests().max(1) as f64;
+        let wall = self.report.elapsed().as_secs_f64().max(f64::EPSILON);
+        Some((cpu / requests * 1e6, cpu / wall))
+    }
+}
+
+/// Layered over baseline: throughput, p50, p99, and the p99 of each layered kind.
+struct Ratios {
+    throughput: f64,
+    p50: f64,
+    p99: f64,
+    p99_by_kind: Vec<(Kind, f64)>,
+}
+
+fn ratios(figures: &[RouteFigures<'_>]) -> Option<Ratios> {
+    let find = |route| figures.iter().find(|f| f.report.route == route);
+    let (baseline, layered) = (find(Route::Baseline)?, find(Route::Layered)?);
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+    Some(Ratios {
+        throughput: ratio(layered.all.per_second, baseline.all.per_second),
+        p50: ratio(layered.all.p50_us as f64, baseline.all.p50_us as f64),
+        p99: ratio(layered.all.p99_us as f64, baseline.all.p99_us as f64),
+        p99_by_kind: layered
+            .kinds
+            .iter()
+            .map(|(k, f)| (*k, ratio(f.p99_us as f64, baseline.all.p99_us as f64)))
+            .collect(),
+    })
+}
+
+/// `items` separated by commas, or `none`.
+fn joined_or_none(items: &[String]) -> String {
+    if items.is_empty() {
+        "none".to_owned()
+    } else {
+        items.join(", ")
+    }
+}
+
+fn ms(us: u64) -> f64 {
+    us as f64 / 1000.0
+}
+
+fn print_text(args: &Args, run_id: &str, figures: &[RouteFigures<'_>], runtime: &str) {
+    let phase = match (args.requests, args.duration) {
+        (Some(n), _) => format!("{n} requests"),
+        (None, Some(d)) => format!("{} s", d.as_secs_f64()),
+        (None, None) => "10 s".to_owned(),
+    };
+    println!(
+        "run {run_id}: {}, {} connections per route, {} rounds x {phase} per route \
+         (+{} s warmup), duplicates {:.2}, conflicts {:.2}, {} accounts, producer {}, \
+         client runtime {runtime}",
+        args.url,
+        args.connections,
+        args.rounds,
+        args.warmup.as_secs_f64(),
+        args.duplicates,
+        args.conflicts,
+        args.accounts,
+        args.producer,
+    );
+    println!();
+    println!(
+        "{:<9} {:<9} {:>9} {:>9} {:>8} {:>8} {:>8} {:>8} {:>10} {:>6}",
+        "route",
+        "kind",
+        "requests",
+        "req/s",
+        "p50 ms",
+        "p99 ms",
+        "p999 ms",
+        "max ms",
+        "mismatches",
+        "errors"
+    );
+    for route in figures {
+        let rows = std::iter::once(("all", &route.all))
+            .chain(route.kinds.iter().map(|(k, f)| (k.name(), f)));
+        for (kind, f) in rows {
+            println!(
+                "{:<9} {:<9} {:>9} {:>9.1} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>10} {:>6}",
+                route.report.route.name(),
+                kind,
+                f.stats.requests(),
+                f.per_second,
+                ms(f.p50_us),
+                ms(f.p99_us),
+                ms(f.p999_us),
+                ms(f.stats.latency.max()),
+                f.stats.mismatches,
+                f.stats.errors(),
+            );
+        }
+    }
+    println!();
+    for route in figures {
+        let rates: Vec<String> = route
+            .phase_rates()
+            .iter()
+            .map(|r| format!("{r:.0}"))
+            .collect();
+        let statuses: Vec<String> = route
+            .all
+            .stats
+            .statuses
+            .iter()
+            .map(|(s, n)| format!("{s} x{n}"))
+            .collect();
+        let errors: Vec<String> = FAILURES
+            .iter()
+            .filter(|f| route.all.stats.errors[**f as usize] > 0)
+            .map(|f| format!("{} x{}", f.name(), route.all.stats.errors[*f as usize]))
+            .collect();
+        println!(
+            "{:<9} phases req/s: {}; statuses: {}; replayed: {}; transport errors: {}",
+            route.report.route.name(),
+            rates.join(" "),
+            joined_or_none(&statuses),
+            route.all.stats.replayed,
+            joined_or_none(&errors),
+        );
+    }
+    if let Some(r) = ratios(figures) {
+        let by_kind: Vec<String> = r
+            .p99_by_kind
+            .iter()
+            .map(|(k, v)| format!("{} {v:.2}x", k.name()))
+            .collect();
+        println!();
+        println!(
+            "layered / baseline: throughput {:.2}x, p50 {:.2}x, p99 {:.2}x (p99 by layered kind: {})",
+            r.throughput,
+            r.p50,
+            r.p99,
+            by_kind.join(", ")
+        );
+    }
+    println!();
+    for route in figures {
+        if let Some((per_request_us, share)) = route.client_cpu() {
+            println!(
+                "client CPU on {}: {per_request_us:.1} us per request, {:.0}% of one core{}",
+                route.report.route.name(),
+                share * 100.0,
+                if share > 0.9 * f64::from(args.threads) {
+                    " (the load generator itself may be the bottleneck)"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+    for route in figures {
+        let warm = &route.report.warmup;
+        if warm.requests() > 0 {
+            println!(
+                "warmup on {}: {} requests, {} mismatches, {} transport errors (not in the figures)",
+                route.report.route.name(),
+                warm.requests(),
+                warm.mismatches(),
+                warm.errors()
+            );
+        }
+    }
+    let samples: Vec<&str> = figures
+        .iter()
+        .flat_map(|f| f.report.samples())
+        .take(SAMPLES_PRINTED)
+        .collect();
+    if !samples.is_empty() {
+        println!();
+        println!("first mismatches and errors:");
+        for sample in samples {
+            println!("  {sample}");
+        }
+    }
+}
+
+fn report_json(args: &Args, run_id: &str, figures: &[RouteFigures<'_>], runtime: &str) -> Value {
+    let routes: serde_json::Map<String, Value> = figures
+        .iter()
+        .map(|f| {
+            let kinds: serde_json::Map<String, Value> = f
+                .kinds
+                .iter()
+                .map(|(k, fig)| (k.name().to_owned(), fig.json()))
+                .collect();
+            let warm = &f.report.warmup;
+            let value = json!({
+                "elapsed_s": f.report.elapsed().as_secs_f64(),
+                "phase_per_second": f.phase_rates(),
+                "all": f.all.json(),
+                "kinds": kinds,
+                "client_cpu_us_per_request": f.client_cpu().map(|c| c.0),
+                "client_cpu_share_of_core": f.client_cpu().map(|c| c.1),
+                "warmup": {
+                    "requests": warm.requests(),
+                    "responses": warm.responses(),
+                    "mismatches": warm.mismatches(),
+                    "errors": warm.errors(),
+                },
+                "samples": f.report.samples(),
+            });
+            (f.report.route.name().to_owned(), value)
+        })
+        .collect();
+    let ratios = ratios(figures).map(|r| {
+        let by_kind: serde_json::Map<String, Value> = r
+            .p99_by_kind
+            .iter()
+            .map(|(k, v)| (k.name().to_owned(), json!(v)))
+            .collect();
+        json!({
+            "throughput": r.throughput,
+            "p50": r.p50,
+            "p99": r.p99,
+            "p99_by_layered_kind": by_kind,
+        })
+    });
+    json!({
+        "run_id": run_id,
+        "url": args.url,
+        "connections": args.connections,
+        "rounds": args.rounds,
+        "duration_s": args.duration.map(|d| d.as_secs_f64()),
+        "requests_per_phase": args.requests,
+        "warmup_s": args.warmup.as_secs_f64(),
+        "duplicates": args.duplicates,
+        "conflicts": args.conflicts,
+        "accounts": args.accounts,
+        "producer": args.producer,
+        "client_runtime": runtime,
+        "routes": routes,
+        "layered_over_baseline": ratios,
+    })
+}
+
+fn main() -> ExitCode {
+    let mut args = Args::parse();
+    if args.duplicates + args.conflicts > 1.0 {
+        Args::command()
+            .error(
+                ErrorKind::ValueValidation,
+                "--duplicates and --conflicts together must not exceed 1",
+            )
+            .exit();
+    }
+    if args.requests.is_none() && args.duration.is_none() {
+        args.duration = Some(Duration::from_secs(10));
+    }
+    let runtime = if args.threads == 1 {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+    } else {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(args.threads as usize)
+            .enable_all()
+            .build()
+    };
+    let runtime_name = if args.threads == 1 {
+        "current-thread".to_owned()
+    } else {
+        format!("multi-thread ({} workers)", args.threads)
+    };
+    let runtime = match runtime {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("loadgen: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (run_id, reports) = match runtime.block_on(run(&args)) {
+        Ok(done) => done,
+        Err(e) => {
+            eprintln!("loadgen: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let figures = match reports
+        .iter()
+        .map(RouteFigures::of)
+        .collect::<Result<Vec<_>, _>>()
+    {
+        Ok(figures) => figures,
+        Err(e) => {
+            eprintln!("loadgen: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if args.json {
+        println!("{:#}", report_json(&args, &run_id, &figures, &runtime_name));
+    } else {
+        print_text(&args, &run_id, &figures, &runtime_name);
+    }
+    let (mismatches, errors) = reports.iter().fold((0, 0), |(m, e), r| {
+        (
+            m + r.stats.mismatches() + r.warmup.mismatches(),
+            e + r.stats.errors() + r.warmup.errors(),
+        )
+    });
+    if mismatches + errors > 0 {
+        eprintln!(
+            "loadgen: WARNING: {mismatches} unexpected responses and {errors} transport errors \
+             (warmup included): the figures include them"
+        );
+        return ExitCode::from(3);
+    }
+    ExitCode::SUCCESS
+}
