@@ -51,9 +51,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 
     // Each in-flight command holds one connection from the claim to the commit, and a
     // duplicate waiting for it holds another: size the pool for the concurrency you serve.
+    //
+    // No ping before each acquire (sqlx's default sends one, a round trip per request): a
+    // connection that died while idle fails its first statement instead, which the layer
+    // answers with 503 and nothing committed, and the client's retry gets a fresh one.
     let pool = PgPoolOptions::new()
         .max_connections(32)
         .acquire_timeout(Duration::from_secs(3))
+        .test_before_acquire(false)
         .connect(&database_url)
         .await?;
     app::prepare(&pool).await?;

@@ -349,7 +349,7 @@ impl Inbox {
         handler_version: &str,
         wait: Duration,
     ) -> Result<Claim, InboxError> {
-        let span = tracing::info_span!(
+        let span = tracing::debug_span!(
             "inbox.claim",
             consumer = %identity.consumer(),
             producer = %identity.producer().name(),
@@ -708,7 +708,7 @@ impl ClaimedMessage {
         self,
         response: Option<&RecordedResponse>,
     ) -> Result<Finished, InboxError> {
-        let span = tracing::info_span!(
+        let span = tracing::debug_span!(
             "inbox.commit",
             consumer = %self.identity.consumer(),
             producer = %self.identity.producer().name(),

@@ -96,7 +96,7 @@ where
     };
     let fingerprint = fingerprint(&config, &parts, &body);
     let identity = MessageIdentity::new(config.consumer.clone(), producer, key);
-    let span = tracing::info_span!(
+    let span = tracing::debug_span!(
         "inbox.command",
         consumer = %identity.consumer(),
         producer = %identity.producer().name(),
@@ -357,7 +357,7 @@ impl Command {
 
     /// Replays the recorded response of a finished command.
     fn replayed(&self, entry: &InboxEntry) -> Step {
-        let span = tracing::info_span!(
+        let span = tracing::debug_span!(
             "inbox.replay",
             consumer = %self.identity.consumer(),
             producer = %self.identity.producer().name(),
@@ -421,7 +421,7 @@ impl Command {
         parts.extensions.insert(slot.clone());
         let request = Request::from_parts(parts, Body::from(self.body.clone()));
         let attempt = Attempt::new(self);
-        let handler_span = tracing::info_span!(
+        let handler_span = tracing::debug_span!(
             "inbox.handler",
             consumer = %self.identity.consumer(),
             producer = %self.identity.producer().name(),

@@ -381,7 +381,7 @@ impl<T: Transport> Dispatcher<T> {
             report.count_deliveries(&effect.effect_name);
             return report;
         }
-        let span = tracing::info_span!(
+        let span = tracing::debug_span!(
             "outbox.deliver",
             effect_id = %effect.effect_id,
             effect = %effect.effect_name,
