@@ -475,6 +475,18 @@ async fn a_cached_duplicate_counts_a_duplicate_and_a_cache_hit_and_no_claim() {
 }
 
 #[tokio::test]
+async fn a_duplicate_answered_by_the_lookup_counts_a_duplicate_and_no_claim() {
+    let app = TestApp::new().await;
+    let router = credits(&app, "looked-up", |b| b.lookup_before_claim(true));
+    let mut probe = Probe::consumer("looked-up");
+    send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
+    probe.assert_moved(COMMITTED);
+    let reply = send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
+    assert!(reply.replayed());
+    probe.assert_moved(&[(m::DUPLICATES, &[], 1)]);
+}
+
+#[tokio::test]
 async fn claim_at_commit_counts_first_seen_and_a_lost_claim_as_a_duplicate() {
     let app = TestApp::new().await;
     let router = credits(&app, "at-commit", |b| {

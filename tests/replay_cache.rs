@@ -147,3 +147,54 @@ async fn the_cache_answers_duplicates_in_claim_at_commit_mode_before_the_handler
     assert!(again.replayed());
     assert_eq!(app.ledger_rows("a1").await, 1);
 }
+
+/// Holds `EXCLUSIVE` on the inbox table: every write to it (a claim) waits, reads do not.
+async fn block_inbox_writes(app: &TestApp) -> sqlx::Transaction<'static, sqlx::Postgres> {
+    let mut tx = app.pool.begin().await.unwrap();
+    sqlx::query("lock table consumer_inbox in exclusive mode")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    tx
+}
+
+#[tokio::test]
+async fn a_lookup_before_the_claim_answers_duplicates_without_a_transaction_or_a_write() {
+    let app = TestApp::new().await;
+    let wait = std::time::Duration::from_millis(200);
+    let plain = app.credits_with(|b| b.in_flight_wait(wait));
+    let looking = app.credits_with(|b| b.in_flight_wait(wait).lookup_before_claim(true));
+    let first = send(&looking, credit("a1", Some("k"), Some("app"), 10)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed(), "a miss goes on to the claim");
+
+    let blocker = block_inbox_writes(&app).await;
+    // The claim path writes (its insert waits on the lock and gives up)...
+    let claimed = send(&plain, credit("a1", Some("k"), Some("app"), 10)).await;
+    assert_eq!(claimed.status, StatusCode::CONFLICT);
+    assert_eq!(claimed.problem_type(), "in-progress");
+    // ...the lookup does not: it answers from one read.
+    let looked = send(&looking, credit("a1", Some("k"), Some("app"), 10)).await;
+    assert_eq!(looked.status, StatusCode::CREATED);
+    assert!(looked.replayed());
+    assert_eq!(looked.body, first.body);
+    let conflict = send(&looking, credit("a1", Some("k"), Some("app"), 11)).await;
+    assert_eq!(conflict.status, StatusCode::CONFLICT);
+    assert_eq!(conflict.problem_type(), "payload-mismatch");
+    // A new key still has to claim, and waits like any claim.
+    let new = send(&looking, credit("a1", Some("n"), Some("app"), 10)).await;
+    assert_eq!(new.problem_type(), "in-progress");
+    blocker.rollback().await.unwrap();
+    assert_eq!(app.ledger_rows("a1").await, 1);
+}
+
+#[tokio::test]
+async fn a_lookup_answer_fills_the_replay_cache() {
+    let app = TestApp::new().await;
+    send(&app.credits(), credit("a1", Some("k"), Some("app"), 10)).await;
+    let cache = ReplayCache::new(100, 1 << 20).unwrap();
+    let router = app.credits_with(|b| b.lookup_before_claim(true).replay_cache(cache.clone()));
+    let looked = send(&router, credit("a1", Some("k"), Some("app"), 10)).await;
+    assert!(looked.replayed());
+    assert_eq!(cache.len(), 1);
+}

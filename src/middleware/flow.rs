@@ -16,6 +16,7 @@ use tower::Service;
 use tracing::Instrument;
 
 use super::layer::{InboxConfig, IDEMPOTENT_REPLAYED};
+use crate::cache::Cached;
 use crate::extract::TxSlot;
 use crate::fingerprint::{CommandPayload, Fingerprint};
 use crate::identity::MessageIdentity;
@@ -205,6 +206,21 @@ struct Command {
     body: Bytes,
 }
 
+/// A finished command found before claiming.
+enum Known {
+    Cached(Arc<Cached>),
+    Read(InboxEntry),
+}
+
+impl Known {
+    fn entry(&self) -> &InboxEntry {
+        match self {
+            Self::Cached(hit) => &hit.entry,
+            Self::Read(entry) => entry,
+        }
+    }
+}
+
 /// Where one attempt at a command ended.
 enum Step {
     /// The answer for the client, with the outcome for the command's span.
@@ -225,7 +241,7 @@ impl Command {
         ResBody: http_body::Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<axum::BoxError>,
     {
-        if let Some(Step::Answer(outcome, response)) = self.answer_cached().await {
+        if let Some(Step::Answer(outcome, response)) = self.answer_known().await {
             tracing::Span::current().record("outcome", outcome);
             return Ok(response);
         }
@@ -392,20 +408,47 @@ impl Command {
         Step::Answer("conflict", problem.into_response())
     }
 
-    /// Answers a command this process completed before from the replay cache, if it holds
-    /// it: the recorded response, or the conflict if the payload differs.
-    async fn answer_cached(&self) -> Option<Step> {
-        let cache = self.config.replay_cache.as_ref()?;
-        let hit = cache.get(&self.identity)?;
-        let labels = self.config.inbox.metric_labels();
-        m::count(m::CACHE_HITS, &labels.of_consumer(&self.config.consumer), 1);
-        Some(if hit.fingerprint == self.fingerprint {
-            m::count(m::DUPLICATES, &labels.of(&self.identity), 1);
-            self.replayed(&hit.entry)
-        } else {
+    /// Answers a command known to be finished without a transaction: from the replay cache
+    /// if it holds it, else (with `lookup_before_claim`) from a primary-key read. The
+    /// recorded response, or the conflict if the payload differs; `None` to claim.
+    async fn answer_known(&self) -> Option<Step> {
+        let config = &self.config;
+        let labels = config.inbox.metric_labels();
+        let known = match config
+            .replay_cache
+            .as_ref()
+            .and_then(|c| c.get(&self.identity))
+        {
+            Some(hit) => {
+                m::count(m::CACHE_HITS, &labels.of_consumer(&config.consumer), 1);
+                Known::Cached(hit)
+            }
+            None if config.lookup_before_claim => {
+                // Committed rows only: a row in flight is invisible here, and the claim waits
+                // for it. An error is left to the claim, which meets it again and answers it;
+                // so is a row without a record yet (a consumer that records separately).
+                let entry = config.inbox.lookup(&self.identity).await.ok()??;
+                if !entry.processed {
+                    return None;
+                }
+                Known::Read(entry)
+            }
+            None => return None,
+        };
+        let same_payload = match &known {
+            Known::Cached(hit) => hit.fingerprint == self.fingerprint,
+            Known::Read(entry) => entry.payload_sha256 == self.fingerprint.to_hex(),
+        };
+        if !same_payload {
             m::count(m::IDENTITY_CONFLICTS, &labels.of(&self.identity), 1);
-            self.conflict(&hit.entry).await
-        })
+            return Some(self.conflict(known.entry()).await);
+        }
+        m::count(m::DUPLICATES, &labels.of(&self.identity), 1);
+        let step = self.replayed(known.entry());
+        if let (Known::Read(entry), Some(cache)) = (known, &config.replay_cache) {
+            cache.insert(&self.identity, self.fingerprint, entry);
+        }
+        Some(step)
     }
 
     async fn run_handler<S, ResBody>(&self, mut service: S, slot: TxSlot) -> Result<Step, S::Error>

@@ -54,6 +54,7 @@ pub(crate) struct InboxConfig {
     pub(crate) transient_retry: TransientRetry,
     pub(crate) claim_mode: ClaimMode,
     pub(crate) replay_cache: Option<ReplayCache>,
+    pub(crate) lookup_before_claim: bool,
 }
 
 /// A Tower layer that makes guarded requests exactly-once commands.
@@ -92,6 +93,7 @@ impl InboxLayer {
             metric_labels: MetricLabels::default(),
             claim_mode: ClaimMode::default(),
             replay_cache: None,
+            lookup_before_claim: false,
         }
     }
 }
@@ -179,6 +181,7 @@ pub struct InboxLayerBuilder {
     metric_labels: MetricLabels,
     claim_mode: ClaimMode,
     replay_cache: Option<ReplayCache>,
+    lookup_before_claim: bool,
 }
 
 impl InboxLayerBuilder {
@@ -194,6 +197,17 @@ impl InboxLayerBuilder {
     /// The cache may be shared between layers. See [`ReplayCache`].
     pub fn replay_cache(mut self, cache: ReplayCache) -> Self {
         self.replay_cache = Some(cache);
+        self
+    }
+
+    /// Reads the key's row before opening a transaction (default `false`). A duplicate of a
+    /// committed command is then answered from that one primary-key read (or refused as a
+    /// conflict), with no transaction and no write; a first-seen command pays the read on
+    /// top of its claim. Worth it where duplicates are frequent: clients that retry
+    /// eagerly, retry storms after an outage. The read sees committed rows only, so a
+    /// duplicate of an in-flight command still goes to the claim, which waits for it.
+    pub fn lookup_before_claim(mut self, on: bool) -> Self {
+        self.lookup_before_claim = on;
         self
     }
 
@@ -385,6 +399,7 @@ impl InboxLayerBuilder {
                 transient_retry: self.transient_retry,
                 claim_mode: self.claim_mode,
                 replay_cache: self.replay_cache,
+                lookup_before_claim: self.lookup_before_claim,
             }),
         })
     }
