@@ -16,8 +16,14 @@
 //!   insert) in a transaction of its own, without the layer.
 //! - `first_seen`: a new key through the layer: the claim, the same credit, the recorded
 //!   response and the commit, in one transaction.
+//! - `first_seen_at_commit`: a new key with `ClaimMode::AtCommit`: the credit first, then the
+//!   claim and the record in one statement, then the commit.
 //! - `duplicate`: a replay of a key committed at the start of the group: the recorded
-//!   response comes back and nothing is written.
+//!   response comes back and nothing is written (the claim finds the row and rolls back).
+//! - `duplicate_lookup`: the same with `lookup_before_claim(true)`: one primary-key read, no
+//!   transaction.
+//! - `duplicate_cached`: the same with a `ReplayCache`: answered from memory once warmed up
+//!   (the warm-up fills it from the database).
 //! - `conflict`: a committed key sent again with another payload (another delta), answered
 //!   409. Not read-only: every conflict also opens, or counts once more, a quarantine item
 //!   (one per key and conflicting payload) in a transaction of its own, so it pays a commit.
@@ -33,7 +39,7 @@
 //! balance 0 and 1 024 committed keys for `duplicate` and `conflict`. Keys look random, like
 //! the UUIDs clients send, and choose their account, so concurrent credits rarely wait on one
 //! account's row lock. The pool has 40 connections (32 requests in flight, one connection
-//! each). Every response's status is checked, so that an error answered quickly cannot pass
+//! each) and, as the example's, no ping before each acquire. Every response's status is checked, so that an error answered quickly cannot pass
 //! for a fast request; nothing is timed in an assertion. No metrics recorder and no tracing
 //! subscriber are installed, so their cost is not part of these figures.
 //!
@@ -67,6 +73,7 @@ use sqlx::PgPool;
 use tokio::runtime::Runtime;
 use tokio::task::JoinSet;
 use tower::ServiceExt;
+use tower_inbox::{ClaimMode, InboxLayerBuilder, ReplayCache};
 
 type BoxError = Box<dyn Error + Send + Sync>;
 
@@ -88,16 +95,22 @@ const GROUPS: [&str; 2] = ["latency", "concurrent32"];
 enum Case {
     Baseline,
     FirstSeen,
+    FirstSeenAtCommit,
     Duplicate,
+    DuplicateLookup,
+    DuplicateCached,
     Conflict,
 }
 
 impl Case {
     /// Every case, the baseline first.
-    const ALL: [Self; 4] = [
+    const ALL: [Self; 7] = [
         Self::Baseline,
         Self::FirstSeen,
+        Self::FirstSeenAtCommit,
         Self::Duplicate,
+        Self::DuplicateLookup,
+        Self::DuplicateCached,
         Self::Conflict,
     ];
 
@@ -105,7 +118,10 @@ impl Case {
         match self {
             Self::Baseline => "baseline",
             Self::FirstSeen => "first_seen",
+            Self::FirstSeenAtCommit => "first_seen_at_commit",
             Self::Duplicate => "duplicate",
+            Self::DuplicateLookup => "duplicate_lookup",
+            Self::DuplicateCached => "duplicate_cached",
             Self::Conflict => "conflict",
         }
     }
@@ -116,8 +132,11 @@ impl Case {
         match self {
             Self::Baseline => Credit::new(KeyStream::Baseline, n, 1),
             Self::FirstSeen => Credit::new(KeyStream::FirstSeen, n, 1),
+            Self::FirstSeenAtCommit => Credit::new(KeyStream::FirstSeenAtCommit, n, 1),
             // Exactly what was committed: same key, same account, same body.
-            Self::Duplicate => Credit::new(KeyStream::Committed, n % COMMITTED_KEYS, 1),
+            Self::Duplicate | Self::DuplicateLookup | Self::DuplicateCached => {
+                Credit::new(KeyStream::Committed, n % COMMITTED_KEYS, 1)
+            }
             // The same key with another delta: another fingerprint.
             Self::Conflict => Credit::new(KeyStream::Committed, n % COMMITTED_KEYS, 2),
         }
@@ -127,8 +146,12 @@ impl Case {
     fn check(self, response: &Response<Body>) {
         let replayed = response.headers().contains_key("idempotent-replayed");
         let (status, want_replayed) = match self {
-            Self::Baseline | Self::FirstSeen => (StatusCode::CREATED, false),
-            Self::Duplicate => (StatusCode::CREATED, true),
+            Self::Baseline | Self::FirstSeen | Self::FirstSeenAtCommit => {
+                (StatusCode::CREATED, false)
+            }
+            Self::Duplicate | Self::DuplicateLookup | Self::DuplicateCached => {
+                (StatusCode::CREATED, true)
+            }
             Self::Conflict => (StatusCode::CONFLICT, false),
         };
         assert_eq!(response.status(), status, "{self:?}: unexpected status");
@@ -142,6 +165,7 @@ enum KeyStream {
     Baseline = 1,
     FirstSeen = 2,
     Committed = 3,
+    FirstSeenAtCommit = 4,
 }
 
 /// One credit command.
@@ -189,6 +213,9 @@ struct Bench {
     pool: PgPool,
     baseline: Router,
     layered: Router,
+    at_commit: Router,
+    lookup: Router,
+    cached: Router,
 }
 
 impl Bench {
@@ -196,11 +223,13 @@ impl Bench {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()?;
-        let (pool, baseline, layered) = runtime.block_on(async {
+        let routers = runtime.block_on(async {
             let url = tower_inbox_testdb::app_database_url("tower_inbox_bench").await?;
+            // As the example serves it: no ping before each acquire (see examples/credits.rs).
             let pool = PgPoolOptions::new()
                 .max_connections(POOL_SIZE)
                 .acquire_timeout(Duration::from_secs(30))
+                .test_before_acquire(false)
                 .connect(&url)
                 .await?;
             app::prepare(&pool).await?;
@@ -208,22 +237,38 @@ impl Bench {
                 .fetch_one(&pool)
                 .await?;
             eprintln!("layer bench: database {database}");
-            let layer = app::inbox_layer(pool.clone()).build()?;
-            let layered = app::routes(pool.clone(), layer);
-            Ok::<_, BoxError>((pool.clone(), app::baseline_routes(pool), layered))
+            let routes = |configure: fn(InboxLayerBuilder) -> InboxLayerBuilder| {
+                let layer = configure(app::inbox_layer(pool.clone())).build()?;
+                Ok::<_, BoxError>(app::routes(pool.clone(), layer))
+            };
+            let layered = routes(|b| b)?;
+            let at_commit = routes(|b| b.claim_mode(ClaimMode::AtCommit))?;
+            let lookup = routes(|b| b.lookup_before_claim(true))?;
+            let cached = routes(|b| {
+                b.replay_cache(ReplayCache::new(100_000, 64 << 20).expect("cache limits"))
+            })?;
+            let baseline = app::baseline_routes(pool.clone());
+            Ok::<_, BoxError>((pool, baseline, layered, at_commit, lookup, cached))
         })?;
+        let (pool, baseline, layered, at_commit, lookup, cached) = routers;
         Ok(Self {
             runtime,
             pool,
             baseline,
             layered,
+            at_commit,
+            lookup,
+            cached,
         })
     }
 
     fn router(&self, case: Case) -> &Router {
         match case {
             Case::Baseline => &self.baseline,
-            _ => &self.layered,
+            Case::FirstSeen | Case::Duplicate | Case::Conflict => &self.layered,
+            Case::FirstSeenAtCommit => &self.at_commit,
+            Case::DuplicateLookup => &self.lookup,
+            Case::DuplicateCached => &self.cached,
         }
     }
 

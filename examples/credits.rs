@@ -14,9 +14,11 @@
 //! outbox and quarantine gauges every minute, and a purge task deletes what the retention
 //! policies no longer need every ten minutes. `CREDITS_BASELINE_ROUTE=1` also serves
 //! `POST /baseline/accounts/{id}/credits`, the same credit without the layer, to measure what
-//! the layer costs (`examples/loadgen.rs`); never in production. Without
-//! `DATABASE_URL` it uses the local PostgreSQL on 127.0.0.1:5432, or starts a throwaway one
-//! from the local binaries, like the tests.
+//! the layer costs (`examples/loadgen.rs`); never in production. The opt-in speed settings
+//! can be turned on for such measurements: `CREDITS_CLAIM_AT_COMMIT=1`,
+//! `CREDITS_LOOKUP_BEFORE_CLAIM=1`, and `CREDITS_REPLAY_CACHE=<entries>` (64 MiB at most).
+//! Without `DATABASE_URL` it uses the local PostgreSQL on 127.0.0.1:5432, or starts a
+//! throwaway one from the local binaries, like the tests.
 
 // Shared with the tests, which use the parts this binary does not.
 #[allow(dead_code)]
@@ -30,7 +32,27 @@ use sqlx::postgres::PgPoolOptions;
 use tower_inbox::metrics::StatsTask;
 use tower_inbox::outbox::{Dispatcher, HttpTransport};
 use tower_inbox::retention::{Purger, RetentionPolicy};
+use tower_inbox::{ClaimMode, InboxLayer, ReplayCache};
 use tracing_subscriber::EnvFilter;
+
+/// The example's inbox layer, with the opt-in speed settings taken from the environment.
+fn layer(pool: &sqlx::PgPool) -> Result<InboxLayer, Box<dyn std::error::Error + Send + Sync>> {
+    let on = |name: &str| std::env::var(name).is_ok_and(|v| v == "1");
+    let mut builder = app::inbox_layer(pool.clone());
+    if on("CREDITS_CLAIM_AT_COMMIT") {
+        builder = builder.claim_mode(ClaimMode::AtCommit);
+    }
+    if on("CREDITS_LOOKUP_BEFORE_CLAIM") {
+        builder = builder.lookup_before_claim(true);
+    }
+    if let Ok(entries) = std::env::var("CREDITS_REPLAY_CACHE") {
+        let entries = entries
+            .parse()
+            .map_err(|e| format!("CREDITS_REPLAY_CACHE: {e}"))?;
+        builder = builder.replay_cache(ReplayCache::new(entries, 64 * 1024 * 1024)?);
+    }
+    Ok(builder.build()?)
+}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -88,11 +110,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         }
         None => None,
     };
-    let router = app::routes_with_webhook(
-        pool.clone(),
-        app::inbox_layer(pool.clone()).build()?,
-        webhook,
-    );
+    let router = app::routes_with_webhook(pool.clone(), layer(&pool)?, webhook);
 
     // The unprotected baseline route, for measuring the layer's cost (examples/loadgen.rs).
     let router = if std::env::var("CREDITS_BASELINE_ROUTE").is_ok_and(|v| v == "1") {
