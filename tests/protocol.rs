@@ -363,6 +363,45 @@ async fn recorded_headers_replay_byte_for_byte() {
 }
 
 #[tokio::test]
+async fn small_and_large_responses_replay_byte_for_byte_in_both_claim_modes() {
+    // Small records travel with the commit as hex literals, large ones as bound parameters:
+    // both must come back exactly, headers with odd bytes included.
+    let app = TestApp::new().await;
+    for mode in [
+        tower_inbox::ClaimMode::First,
+        tower_inbox::ClaimMode::AtCommit,
+    ] {
+        for size in [0usize, 1, 32 * 1024, 32 * 1024 + 1, 200_000] {
+            let body: Vec<u8> = (0..size).map(|i| (i * 7 % 256) as u8).collect();
+            let router = Router::new()
+                .route(
+                    "/cmd",
+                    post(move || {
+                        let body = body.clone();
+                        async move {
+                            let mut response = (StatusCode::CREATED, body).into_response();
+                            response.headers_mut().insert(
+                                "x-odd",
+                                http::HeaderValue::from_bytes(b"'\\x00\xe9").unwrap(),
+                            );
+                            response
+                        }
+                    }),
+                )
+                .layer(layer(&app.pool, |b| b.claim_mode(mode)));
+            let key = format!("{mode:?}-{size}");
+            let first = send(&router, post_to("/cmd", Some(&key), "{}")).await;
+            assert_eq!(first.status, StatusCode::CREATED, "{key}");
+            assert_eq!(first.body.len(), size);
+            let replay = send(&router, post_to("/cmd", Some(&key), "{}")).await;
+            assert!(replay.replayed(), "{key}");
+            assert_eq!(replay.body, first.body, "{key}");
+            assert_eq!(replay.headers["x-odd"], first.headers["x-odd"], "{key}");
+        }
+    }
+}
+
+#[tokio::test]
 async fn an_unreachable_database_answers_503_without_running_the_handler() {
     let (calls, count) = counter();
     let router = Router::new()

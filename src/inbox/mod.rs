@@ -30,6 +30,7 @@
 //! ```
 
 mod executor;
+mod literal;
 mod sql;
 
 use std::ops::{Deref, DerefMut};
@@ -414,6 +415,7 @@ impl Inbox {
                 retry: None,
                 labels: self.labels,
                 at_commit: None,
+                pool: self.pool.clone(),
             }));
         }
         // Our insert did nothing and holds no row lock: dropping the transaction queues its
@@ -444,6 +446,7 @@ impl Inbox {
             identity,
             retry: None,
             labels: self.labels,
+            pool: self.pool.clone(),
             at_commit: Some(ClaimAtCommit {
                 fingerprint_hex: fingerprint.to_hex(),
                 handler_version: handler_version.to_owned(),
@@ -649,6 +652,8 @@ pub struct ClaimedMessage {
     labels: MetricLabels,
     /// Set when the claim is still to be made, at commit.
     at_commit: Option<ClaimAtCommit>,
+    /// For reading the row that won, when the claim at commit finds the key taken.
+    pool: PgPool,
 }
 
 /// What a claim made at commit needs.
@@ -666,7 +671,7 @@ pub(crate) enum Finished {
     Committed,
     /// (Claim at commit.) The key was claimed by another transaction: everything was rolled
     /// back; this is what the inbox holds instead (never [`Claim::Claimed`]).
-    ClaimedElsewhere(Claim),
+    ClaimedElsewhere(Box<Claim>),
 }
 
 impl ClaimedMessage {
@@ -747,6 +752,9 @@ impl ClaimedMessage {
             self.tx.rollback().await.map_err(InboxError::classify)?;
             return Err(InboxError::Rerun(reason));
         }
+        if response.is_none_or(|r| r.body.len() <= literal::MAX_LITERAL_BODY) {
+            return self.record_and_commit_in_one(response).await;
+        }
         let (status, names, values, body) = match response {
             Some(r) => (
                 Some(i16::try_from(r.status).unwrap_or(i16::MAX)),
@@ -802,7 +810,7 @@ impl ClaimedMessage {
                     Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
                         // The original is still in flight: ours rolls back entirely.
                         self.tx.rollback().await.map_err(InboxError::classify)?;
-                        return Ok(Finished::ClaimedElsewhere(Claim::InProgress));
+                        return Ok(Finished::ClaimedElsewhere(Box::new(Claim::InProgress)));
                     }
                     Err(err) => return Err(InboxError::classify(err)),
                 };
@@ -810,7 +818,7 @@ impl ClaimedMessage {
                 if !claimed {
                     self.tx.rollback().await.map_err(InboxError::classify)?;
                     let seen = seen_from_row(&row, &claim.fingerprint_hex)?;
-                    return Ok(Finished::ClaimedElsewhere(seen));
+                    return Ok(Finished::ClaimedElsewhere(Box::new(seen)));
                 }
                 row.try_get("recovered").map_err(InboxError::Database)?
             }
@@ -818,6 +826,108 @@ impl ClaimedMessage {
         self.tx.commit().await.map_err(InboxError::classify)?;
         quarantine_recovered(QuarantineSource::HandlerFailure, recovered.unsigned_abs());
         Ok(Finished::Committed)
+    }
+
+    /// Records (claim first) or claims and records (claim at commit), and commits, in one
+    /// message: `select tower_inbox_…(…); commit; begin`. If the function fails (or, at
+    /// commit, finds the key taken and raises `TIAC1`), the rest of the message is never
+    /// run and the dropped transaction rolls back. On success the trailing `begin` leaves an
+    /// empty transaction for the dropped handle's queued `ROLLBACK` to end, which the pool
+    /// sends with its release ping: no round trip of its own, and no warning.
+    async fn record_and_commit_in_one(
+        self,
+        response: Option<&RecordedResponse>,
+    ) -> Result<Finished, InboxError> {
+        let sql = self.record_sql(response);
+        let Self {
+            mut tx,
+            identity,
+            labels,
+            at_commit,
+            pool,
+            ..
+        } = self;
+        let started = Instant::now();
+        // Through the Executor trait: its boxed future is Send, RawSql's own is not provably.
+        let result = sqlx::Executor::fetch_all(&mut *tx, sqlx::raw_sql(&sql)).await;
+        if at_commit.is_some() {
+            m::observe_seconds(
+                m::CLAIM_WAIT,
+                &labels.of_consumer(identity.consumer()),
+                started.elapsed().as_secs_f64(),
+            );
+        }
+        // Success, failure or cancellation alike: the handle's queued ROLLBACK ends what is
+        // left (the empty transaction, or the failed one).
+        drop(tx);
+        let code = match &result {
+            Err(sqlx::Error::Database(db)) => db.code().map(|c| c.into_owned()),
+            _ => None,
+        };
+        match (result, code.as_deref(), at_commit) {
+            (Ok(rows), _, _) => {
+                let recovered: i64 = match rows.first() {
+                    Some(row) => row.try_get(0).map_err(InboxError::Database)?,
+                    None => 0,
+                };
+                quarantine_recovered(QuarantineSource::HandlerFailure, recovered.unsigned_abs());
+                Ok(Finished::Committed)
+            }
+            // The original is still in flight; everything of ours rolled back.
+            (Err(_), Some("55P03"), Some(_)) => {
+                Ok(Finished::ClaimedElsewhere(Box::new(Claim::InProgress)))
+            }
+            // Claimed meanwhile by another transaction, which committed: read its row.
+            (Err(_), Some("TIAC1"), Some(claim)) => {
+                let row = bind_identity!(sqlx::query(sql::LOOKUP), &identity)
+                    .fetch_optional(&pool)
+                    .await
+                    .map_err(InboxError::classify)?;
+                match row {
+                    Some(row) => Ok(Finished::ClaimedElsewhere(Box::new(seen_from_row(
+                        &row,
+                        &claim.fingerprint_hex,
+                    )?))),
+                    // Purged in between: nothing holds the key any more; run again.
+                    None => Err(InboxError::Rerun(RetryReason::SerializationFailure)),
+                }
+            }
+            (Err(err), _, _) => Err(InboxError::classify(err)),
+        }
+    }
+
+    /// The text of [`record_and_commit_in_one`](Self::record_and_commit_in_one)'s message.
+    fn record_sql(&self, response: Option<&RecordedResponse>) -> String {
+        let identity = &self.identity;
+        let call = match &self.at_commit {
+            None => literal::Call::new("tower_inbox_record"),
+            Some(_) => literal::Call::new("tower_inbox_claim_at_commit_or_abort"),
+        }
+        .text(identity.consumer())
+        .text(identity.producer().name())
+        .text(identity.tenant_column())
+        .text(identity.message_id().as_str());
+        let call = match &self.at_commit {
+            None => call,
+            Some(claim) => call
+                .text(&claim.fingerprint_hex)
+                .text(&claim.handler_version)
+                .int(Some(i64::from(claim.wait_ms)), "integer"),
+        };
+        let headers = response.map(|r| &r.headers[..]);
+        call.int(
+            response.map(|r| i64::from(i16::try_from(r.status).unwrap_or(i16::MAX))),
+            "smallint",
+        )
+        .text_array(headers.map(|h| h.iter().map(|(name, _)| name.as_str())))
+        .bytea_array(headers.map(|h| h.iter().map(|(_, value)| value.as_slice())))
+        .bytea(response.map(|r| &r.body[..]))
+        .text(&identity_item_key(
+            QuarantineSource::HandlerFailure,
+            identity,
+            "",
+        ))
+        .then_commit()
     }
 
     /// Rolls back the claim and everything written in its transaction.

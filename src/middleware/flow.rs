@@ -586,7 +586,7 @@ impl Command {
                 )
             }
             // Claim at commit: the key was taken meanwhile and everything rolled back.
-            Ok(Finished::ClaimedElsewhere(seen)) => self.answer_seen(seen).await,
+            Ok(Finished::ClaimedElsewhere(seen)) => self.answer_seen(*seen).await,
             Err(err) => match err.retry_reason() {
                 Some(reason) => Step::Rerun {
                     reason,
