@@ -130,10 +130,13 @@ fn bytea(out: &mut String, value: &[u8]) {
     out.push_str("', 'hex')");
 }
 
+/// `convert_from` takes its encoding as a `name`, whose collation is `"C"`, and its result
+/// inherits it: without `COLLATE "default"` a comparison with an indexed column no longer
+/// matches the index's collation, and the primary-key lookup becomes a sequential scan.
 fn text(out: &mut String, value: &str) {
-    out.push_str("convert_from(decode('");
+    out.push_str("(convert_from(decode('");
     hex(out, value.as_bytes());
-    out.push_str("', 'hex'), 'UTF8')");
+    out.push_str("', 'hex'), 'UTF8') collate \"default\")");
 }
 
 #[cfg(test)]
@@ -155,11 +158,11 @@ mod tests {
             .then_commit();
         assert_eq!(
             sql,
-            "select f(convert_from(decode('7827293b2064726f70207461626c6520636f6e73756d65725f\
-             696e626f783b202d2d5c', 'hex'), 'UTF8'), \
+            "select f((convert_from(decode('7827293b2064726f70207461626c6520636f6e73756d65725f\
+             696e626f783b202d2d5c', 'hex'), 'UTF8') collate \"default\"), \
              decode('00275c', 'hex'), 201::smallint, null::integer, \
-             array[convert_from(decode('636f6e74656e742d74797065', 'hex'), 'UTF8'), \
-             convert_from(decode('612762', 'hex'), 'UTF8')]::text[], \
+             array[(convert_from(decode('636f6e74656e742d74797065', 'hex'), 'UTF8') collate \"default\"), \
+             (convert_from(decode('612762', 'hex'), 'UTF8') collate \"default\")]::text[], \
              array[decode('76', 'hex')]::bytea[], null::bytea, null::text[]); commit; begin"
         );
         // Only hex digits ever sit between the quotes.
@@ -182,8 +185,8 @@ mod tests {
             .then_commit();
         assert_eq!(
             sql,
-            "select f(convert_from(decode('', 'hex'), 'UTF8'), array[]::text[], \
-             array[]::bytea[]); commit; begin"
+            "select f((convert_from(decode('', 'hex'), 'UTF8') collate \"default\"), \
+             array[]::text[], array[]::bytea[]); commit; begin"
         );
     }
 }
