@@ -32,19 +32,21 @@
 mod executor;
 mod literal;
 mod sql;
+mod tx;
 
 use std::ops::{Deref, DerefMut};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use sqlx::postgres::{PgConnection, PgPool, PgRow};
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::Row;
 use tracing::Instrument;
 
 use crate::fingerprint::Fingerprint;
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::metrics::{self as m, MetricLabels};
 use crate::quarantine::{identity_item_key, QuarantineSource};
+use tx::OpenTx;
 
 /// The embedded migrations that create the inbox tables and the claim function.
 ///
@@ -378,51 +380,80 @@ impl Inbox {
         wait: Duration,
     ) -> Result<Claim, InboxError> {
         let consumer = identity.consumer();
-        let mut tx = self
-            .pool
-            .begin_with(self.isolation.begin())
-            .await
-            .map_err(|e| self.failed(consumer, e))?;
         let fingerprint_hex = fingerprint.to_hex();
         let wait_ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
-        let started = Instant::now();
-        let row = bind_identity!(sqlx::query(sql::CLAIM), &identity)
-            .bind(&fingerprint_hex)
-            .bind(handler_version)
-            .bind(wait_ms)
-            .fetch_one(&mut *tx)
-            .await;
-        m::observe_seconds(
-            m::CLAIM_WAIT,
-            &self.labels.of_consumer(consumer),
-            started.elapsed().as_secs_f64(),
+        // One message: "BEGIN …; select tower_inbox_claim_or_raise(…)". A claim answers
+        // with success, or raises when the key is taken; the rows of a BEGIN are not read.
+        let begin = format!(
+            "{}; {}",
+            self.isolation.begin(),
+            literal::Call::new(sql::CLAIM_OR_RAISE)
+                .text(consumer)
+                .text(identity.producer().name())
+                .text(identity.tenant_column())
+                .text(identity.message_id().as_str())
+                .text(&fingerprint_hex)
+                .text(handler_version)
+                .int(Some(i64::from(wait_ms)), "integer")
+                .finish()
         );
-        let row = match row {
-            Ok(row) => row,
-            Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
-                // lock_timeout: the original is still in flight. Nothing was written; the
-                // dropped transaction's ROLLBACK goes out with the pool's release ping.
-                drop(tx);
-                return Ok(Claim::InProgress);
+        // A row that won the race can be purged before it is read; then claim again.
+        for _ in 0..3 {
+            let conn = self
+                .pool
+                .acquire()
+                .await
+                .map_err(|e| self.failed(consumer, e))?;
+            let started = Instant::now();
+            let begun = OpenTx::begin(conn, begin.clone()).await;
+            m::observe_seconds(
+                m::CLAIM_WAIT,
+                &self.labels.of_consumer(consumer),
+                started.elapsed().as_secs_f64(),
+            );
+            let failed = match begun {
+                Ok(tx) => {
+                    return Ok(Claim::Claimed(ClaimedMessage {
+                        tx,
+                        identity,
+                        retry: None,
+                        labels: self.labels,
+                        at_commit: None,
+                        pool: self.pool.clone(),
+                    }))
+                }
+                Err(failed) => failed,
+            };
+            let then = match failed.code().as_deref() {
+                // The key is taken by a committed row: read it in the ROLLBACK's message.
+                Some(sql::TAKEN) => literal::select_where(
+                    sql::LOOKUP_SELECT,
+                    &[
+                        (sql::KEY_COLUMNS[0], consumer),
+                        (sql::KEY_COLUMNS[1], identity.producer().name()),
+                        (sql::KEY_COLUMNS[2], identity.tenant_column()),
+                        (sql::KEY_COLUMNS[3], identity.message_id().as_str()),
+                    ],
+                ),
+                // lock_timeout: the original is still in flight. Nothing was written.
+                Some("55P03") => {
+                    failed
+                        .rollback_then("")
+                        .await
+                        .map_err(|e| self.failed(consumer, e))?;
+                    return Ok(Claim::InProgress);
+                }
+                _ => return Err(self.failed(consumer, failed.rollback_into_error().await)),
+            };
+            let rows = failed
+                .rollback_then(&then)
+                .await
+                .map_err(|e| self.failed(consumer, e))?;
+            if let Some(row) = rows.first() {
+                return seen_from_row(row, &fingerprint_hex);
             }
-            Err(err) => return Err(self.failed(consumer, err)),
-        };
-        let claimed: bool = row.try_get("claimed").map_err(InboxError::Database)?;
-        if claimed {
-            return Ok(Claim::Claimed(ClaimedMessage {
-                tx,
-                identity,
-                retry: None,
-                labels: self.labels,
-                at_commit: None,
-                pool: self.pool.clone(),
-            }));
         }
-        // Our insert did nothing and holds no row lock: dropping the transaction queues its
-        // ROLLBACK, which the pool sends with the ping it makes on every release, instead of
-        // a round trip of its own before the answer.
-        drop(tx);
-        seen_from_row(&row, &fingerprint_hex)
+        Err(InboxError::Rerun(RetryReason::SerializationFailure))
     }
 
     /// Opens a transaction for `identity` whose claim is made at commit, as the last
@@ -436,11 +467,17 @@ impl Inbox {
         handler_version: &str,
         wait: Duration,
     ) -> Result<ClaimedMessage, InboxError> {
-        let tx = self
+        let conn = self
             .pool
-            .begin_with(self.isolation.begin())
+            .acquire()
             .await
             .map_err(|e| self.failed(identity.consumer(), e))?;
+        let tx = match OpenTx::begin(conn, self.isolation.begin().to_owned()).await {
+            Ok(tx) => tx,
+            Err(failed) => {
+                return Err(self.failed(identity.consumer(), failed.rollback_into_error().await))
+            }
+        };
         Ok(ClaimedMessage {
             tx,
             identity,
@@ -646,7 +683,7 @@ fn entry_from_row(row: &PgRow) -> Result<InboxEntry, InboxError> {
 /// on it, so a retry can process the message again.
 #[derive(Debug)]
 pub struct ClaimedMessage {
-    tx: Transaction<'static, Postgres>,
+    tx: OpenTx,
     identity: MessageIdentity,
     retry: Option<RetryReason>,
     labels: MetricLabels,

@@ -1,12 +1,6 @@
 //! The statements the protocol core sends, next to the migrations they rely on
 //! (`migrations/20261202000001_consumer_inbox.sql`).
 
-/// One round trip: bounded wait, insert-or-read. See `tower_inbox_claim` in the migration.
-pub(crate) const CLAIM: &str = "\
-select claimed, payload_sha256, handler_version, processed_at is not null as processed, \
-       response_status, response_header_names, response_header_values, response_body \
-from tower_inbox_claim($1, $2, $3, $4, $5, $6, $7)";
-
 /// Records the outcome on the claimed row. Touches no indexed column, so it can be a HOT
 /// update. `processed_at` is the time of recording (`clock_timestamp()`), not the start of
 /// the transaction (`now()`, which `received_at` holds). In the same statement, a quarantine item about earlier failed attempts of this
@@ -76,9 +70,30 @@ select claimed, recovered, payload_sha256, handler_version, \
        response_header_values, response_body \
 from tower_inbox_claim_at_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
+/// What [`LOOKUP`] reads, without its `where`: also sent with literal values, after the
+/// `ROLLBACK` of a claim that found the key taken.
+macro_rules! lookup_select {
+    () => {
+        "select payload_sha256, handler_version, processed_at is not null as processed, \
+                response_status, response_header_names, response_header_values, response_body \
+         from consumer_inbox"
+    };
+}
+pub(crate) const LOOKUP_SELECT: &str = lookup_select!();
+
+/// The primary key's columns, in the order of [`LOOKUP`]'s parameters.
+pub(crate) const KEY_COLUMNS: [&str; 4] =
+    ["consumer_name", "producer_name", "tenant_id", "message_id"];
+
 /// Reads one inbox row, outside any transaction.
-pub(crate) const LOOKUP: &str = "\
-select payload_sha256, handler_version, processed_at is not null as processed, \
-       response_status, response_header_names, response_header_values, response_body \
-from consumer_inbox \
-where consumer_name = $1 and producer_name = $2 and tenant_id = $3 and message_id = $4";
+pub(crate) const LOOKUP: &str = concat!(
+    lookup_select!(),
+    " where consumer_name = $1 and producer_name = $2 and tenant_id = $3 and message_id = $4"
+);
+
+/// Opens the transaction and claims, in one message: see `tower_inbox_claim_or_raise` in
+/// `migrations/20261203000004_claim_in_begin.sql`.
+pub(crate) const CLAIM_OR_RAISE: &str = "tower_inbox_claim_or_raise";
+
+/// The SQLSTATE `tower_inbox_claim_or_raise` raises when the key is already taken.
+pub(crate) const TAKEN: &str = "TICL1";

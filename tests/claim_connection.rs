@@ -1,0 +1,333 @@
+//! The claim opens its transaction and claims in one message (`BEGIN …; select
+//! tower_inbox_claim_or_raise(…)`), outside sqlx's own `Transaction`. Whatever the claim
+//! answers — claimed, duplicate, conflict, in progress, a database error, or a claim
+//! cancelled while it waits — the connection it used must go back to the pool outside any
+//! transaction (or be closed), and the answer must carry the recorded row exactly.
+//!
+//! Each test gives the inbox a pool of one connection, so the next statement on that pool
+//! runs on the very connection the claim used; another connection checks that statement
+//! committed and that no backend was left inside a transaction.
+
+mod common;
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::TestApp;
+use sqlx::{Connection, PgConnection, PgPool};
+use tower_inbox::{
+    Claim, ClaimedMessage, Fingerprint, Inbox, InboxError, MessageIdentity, MessageKey, Producer,
+    RecordedResponse,
+};
+
+/// An identity whose every part needs care in SQL text: quotes, backslashes, non-ASCII.
+fn identity(key: &str) -> MessageIdentity {
+    MessageIdentity::new(
+        "consumer 'o\\ne' ✓",
+        Producer::new("pay'ments\\")
+            .unwrap()
+            .with_tenant("t€nant\"")
+            .unwrap(),
+        MessageKey::new(key).unwrap(),
+    )
+}
+
+/// A response whose headers and body hold every byte a text encoding could mangle.
+fn response() -> RecordedResponse {
+    RecordedResponse {
+        status: 201,
+        headers: vec![
+            ("content-type".to_owned(), b"application/json".to_vec()),
+            ("x-odd".to_owned(), b"a,b {c} \"d\" \\e 'f' NULL".to_vec()),
+            ("x-bytes".to_owned(), (0x80..=0xff).collect()),
+            ("x-empty".to_owned(), Vec::new()),
+        ],
+        body: Bytes::from((0..=255u8).collect::<Vec<u8>>()),
+    }
+}
+
+/// Commits an autocommit insert on `pool` (its only connection), then checks from another
+/// connection that it is visible and that no backend of the database is inside a
+/// transaction: the claim's connection went back clean.
+async fn assert_pool_connection_clean(app: &TestApp, pool: &PgPool, marker: i32) {
+    assert_clean(app, pool, marker, 0).await;
+}
+
+/// [`assert_pool_connection_clean`] while one other connection deliberately holds a claim:
+/// exactly that one backend is in a transaction.
+async fn assert_pool_connection_clean_but_for_holder(app: &TestApp, pool: &PgPool, marker: i32) {
+    assert_clean(app, pool, marker, 1).await;
+}
+
+async fn assert_clean(app: &TestApp, pool: &PgPool, marker: i32, holders: usize) {
+    sqlx::query("insert into probe values ($1)")
+        .bind(marker)
+        .execute(pool)
+        .await
+        .expect("the pooled connection runs statements");
+    let mut other = PgConnection::connect(app.db.url()).await.expect("connect");
+    let seen: i64 = sqlx::query_scalar("select count(*) from probe where id = $1")
+        .bind(marker)
+        .fetch_one(&mut other)
+        .await
+        .expect("probe");
+    assert_eq!(seen, 1, "the insert committed on its own");
+    let in_transaction: Vec<String> = sqlx::query_scalar(
+        "select query from pg_stat_activity
+         where datname = current_database() and pid <> pg_backend_pid()
+           and state like 'idle in transaction%'",
+    )
+    .fetch_all(&mut other)
+    .await
+    .expect("pg_stat_activity");
+    assert_eq!(in_transaction.len(), holders, "{in_transaction:?}");
+    // A holder is a claim made on purpose, its last message the claim's BEGIN.
+    for query in &in_transaction {
+        assert!(query.contains("tower_inbox_claim_or_raise"), "{query}");
+    }
+}
+
+/// Claims a key that must be free.
+async fn claimed(inbox: &Inbox, key: &str, wait: Duration) -> ClaimedMessage {
+    let claim = inbox
+        .claim(identity(key), Fingerprint::of_bytes(b"payload"), "v1", wait)
+        .await
+        .unwrap();
+    match claim {
+        Claim::Claimed(message) => message,
+        other => panic!("{key} is free, yet: {other:?}"),
+    }
+}
+
+async fn app_with_probe() -> (TestApp, PgPool) {
+    let app = TestApp::new().await;
+    sqlx::query("create table probe (id int)")
+        .execute(&app.pool)
+        .await
+        .expect("probe table");
+    let one = app.db.pool(1).await;
+    (app, one)
+}
+
+#[tokio::test]
+async fn a_duplicate_and_a_conflict_carry_the_recorded_row_and_leave_the_connection_clean() {
+    let (app, pool) = app_with_probe().await;
+    let inbox = Inbox::new(pool.clone());
+    let fingerprint = Fingerprint::of_bytes(b"payload");
+
+    let message = claimed(&inbox, "k1", Duration::ZERO).await;
+    message.commit(Some(&response())).await.unwrap();
+    assert_pool_connection_clean(&app, &pool, 1).await;
+
+    match inbox
+        .claim(identity("k1"), fingerprint, "v2", Duration::ZERO)
+        .await
+        .unwrap()
+    {
+        Claim::Duplicate(entry) => {
+            assert_eq!(entry.payload_sha256, fingerprint.to_hex());
+            assert_eq!(entry.handler_version, "v1");
+            assert!(entry.processed);
+            assert_eq!(entry.response, Some(response()));
+        }
+        other => panic!("expected a duplicate, got {other:?}"),
+    }
+    assert_pool_connection_clean(&app, &pool, 2).await;
+
+    match inbox
+        .claim(
+            identity("k1"),
+            Fingerprint::of_bytes(b"another payload"),
+            "v1",
+            Duration::ZERO,
+        )
+        .await
+        .unwrap()
+    {
+        Claim::Conflict(entry) => assert_eq!(entry.payload_sha256, fingerprint.to_hex()),
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+    assert_pool_connection_clean(&app, &pool, 3).await;
+
+    // A record without a response replays as none.
+    let message = claimed(&inbox, "k2", Duration::ZERO).await;
+    message.commit(None).await.unwrap();
+    match inbox
+        .claim(identity("k2"), fingerprint, "v1", Duration::ZERO)
+        .await
+        .unwrap()
+    {
+        Claim::Duplicate(entry) => assert_eq!(entry.response, None),
+        other => panic!("expected a duplicate, got {other:?}"),
+    }
+    assert_pool_connection_clean(&app, &pool, 4).await;
+}
+
+#[tokio::test]
+async fn a_claim_in_progress_elsewhere_leaves_the_connection_clean() {
+    let (app, pool) = app_with_probe().await;
+    let holder = Inbox::new(app.pool.clone());
+    let inbox = Inbox::new(pool.clone());
+    let fingerprint = Fingerprint::of_bytes(b"payload");
+    let held = claimed(&holder, "k", Duration::ZERO).await;
+
+    let claim = inbox
+        .claim(identity("k"), fingerprint, "v1", Duration::from_millis(50))
+        .await
+        .unwrap();
+    assert!(matches!(claim, Claim::InProgress), "{claim:?}");
+    assert_pool_connection_clean_but_for_holder(&app, &pool, 1).await;
+
+    // Rolled back, the key is free again, and the same pool claims it.
+    held.rollback().await.unwrap();
+    let message = claimed(&inbox, "k", Duration::ZERO).await;
+    message.commit(None).await.unwrap();
+    assert_pool_connection_clean(&app, &pool, 2).await;
+}
+
+#[tokio::test]
+async fn a_claim_cancelled_while_it_waits_closes_its_connection() {
+    let (app, pool) = app_with_probe().await;
+    let holder = Inbox::new(app.pool.clone());
+    let inbox = Inbox::new(pool.clone());
+    let fingerprint = Fingerprint::of_bytes(b"payload");
+    let held = claimed(&holder, "k", Duration::ZERO).await;
+
+    // The waiting claim is inside its BEGIN's message when it is dropped.
+    let waiting = inbox.claim(identity("k"), fingerprint, "v1", Duration::from_secs(30));
+    tokio::select! {
+        claim = waiting => panic!("the claim waits for the holder: {claim:?}"),
+        () = common::wait_until_a_lock_is_awaited(&app.pool) => {}
+    }
+
+    // The holder lets go: the cancelled claim's backend now gets the row lock and claims.
+    // Had its connection gone back to the pool, the pool would hand out a connection
+    // inside that transaction; closed, the backend ends and rolls back.
+    held.rollback().await.unwrap();
+    let mut other = PgConnection::connect(app.db.url()).await.expect("connect");
+    let mut left = Vec::new();
+    for _ in 0..500 {
+        left = sqlx::query_scalar::<_, String>(
+            "select state from pg_stat_activity
+             where datname = current_database() and pid <> pg_backend_pid()
+               and state <> 'idle' and query like '%tower_inbox_claim_or_raise%'",
+        )
+        .fetch_all(&mut other)
+        .await
+        .expect("pg_stat_activity");
+        if left.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        left.is_empty(),
+        "the cancelled claim's session lives on: {left:?}"
+    );
+    assert_pool_connection_clean(&app, &pool, 1).await;
+    let message = claimed(&inbox, "k", Duration::ZERO).await;
+    message.commit(None).await.unwrap();
+    assert_pool_connection_clean(&app, &pool, 2).await;
+}
+
+#[tokio::test]
+async fn a_failing_claim_reports_its_error_and_leaves_the_connection_clean() {
+    let (app, pool) = app_with_probe().await;
+    sqlx::query("drop function tower_inbox_claim_or_raise")
+        .execute(&app.pool)
+        .await
+        .expect("drop");
+    let inbox = Inbox::new(pool.clone());
+    let err = inbox
+        .claim(
+            identity("k"),
+            Fingerprint::of_bytes(b"payload"),
+            "v1",
+            Duration::ZERO,
+        )
+        .await
+        .expect_err("the claim function is missing");
+    match &err {
+        InboxError::Database(sqlx::Error::Database(db)) => {
+            assert_eq!(db.code().as_deref(), Some("42883"), "{db}")
+        }
+        other => panic!("expected the database's own error, got {other:?}"),
+    }
+    assert_pool_connection_clean(&app, &pool, 1).await;
+}
+
+/// The claim names its identity in SQL text, the lookup with bound parameters: for any
+/// consumer name, the row the claim wrote is the row a bound lookup finds, and a second
+/// claim reads it back as a duplicate. A NUL, which PostgreSQL text cannot hold, is an error.
+#[test]
+fn any_consumer_name_round_trips_through_the_claim_text() {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, TestRunner};
+
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    let (app, pool) = rt.block_on(app_with_probe());
+    let names = prop_oneof![
+        "\\PC{0,24}",
+        "[\\\\'\"$E\\x01-\\x1f]{0,12}",
+        Just("E'\\\\'; select 1; --".to_owned()),
+    ];
+    let mut runner = TestRunner::new(Config {
+        cases: 48,
+        ..Config::default()
+    });
+    let n = std::sync::atomic::AtomicU32::new(0);
+    runner
+        .run(&names, |name| {
+            let key = format!("k{}", n.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+            let identity = MessageIdentity::new(
+                name.as_str(),
+                Producer::new("p").unwrap(),
+                MessageKey::new(&key).unwrap(),
+            );
+            rt.block_on(async {
+                let inbox = Inbox::new(pool.clone());
+                let fingerprint = Fingerprint::of_bytes(name.as_bytes());
+                let claim = inbox
+                    .claim(identity.clone(), fingerprint, "v1", Duration::ZERO)
+                    .await
+                    .unwrap();
+                let Claim::Claimed(message) = claim else {
+                    panic!("{name:?}: a new key is claimed: {claim:?}");
+                };
+                message.commit(Some(&response())).await.unwrap();
+                let entry = inbox.lookup(&identity).await.unwrap();
+                prop_assert_eq!(
+                    entry.and_then(|e| e.response),
+                    Some(response()),
+                    "{:?}",
+                    name
+                );
+                let again = inbox
+                    .claim(identity, fingerprint, "v1", Duration::ZERO)
+                    .await
+                    .unwrap();
+                prop_assert!(
+                    matches!(again, Claim::Duplicate(_)),
+                    "{:?}: {:?}",
+                    name,
+                    again
+                );
+                Ok(())
+            })
+        })
+        .unwrap();
+
+    rt.block_on(async {
+        let identity = MessageIdentity::new(
+            "nul\0inside",
+            Producer::new("p").unwrap(),
+            MessageKey::new("k").unwrap(),
+        );
+        let err = Inbox::new(pool.clone())
+            .claim(identity, Fingerprint::of_bytes(b"x"), "v1", Duration::ZERO)
+            .await
+            .expect_err("no text holds a NUL");
+        assert!(matches!(err, InboxError::Database(_)), "{err:?}");
+        assert_pool_connection_clean(&app, &pool, 1).await;
+    });
+}
