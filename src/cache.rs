@@ -22,8 +22,10 @@ use crate::middleware::ConfigError;
 /// protective, never less. Each process has its own cache; a miss falls through to the
 /// database.
 ///
-/// It is bounded by entries and by bytes (bodies, headers and keys counted); the least
-/// useful entries are evicted first. Memory stays flat however many commands pass.
+/// It is bounded by entries and by bytes; the least useful entries are evicted first. An
+/// entry weighs its body, headers and identity plus about 640 bytes of bookkeeping (what an
+/// entry costs in resident memory, allocator overhead included), so the byte limit is close
+/// to the memory the cache takes. Memory stays flat however many commands pass.
 ///
 /// ```
 /// use tower_inbox::ReplayCache;
@@ -60,8 +62,14 @@ impl Weighter<MessageIdentity, Arc<Cached>> for ByWeight {
     }
 }
 
-/// A rough fixed cost per entry for the map, the `Arc` and the identity's own allocations.
-const ENTRY_OVERHEAD: u64 = 160;
+/// The fixed memory an entry costs besides its bytes: the map's slot, the `Arc`, the copied
+/// identity, the hex fingerprint and version, and the allocator's share of each of these
+/// allocations. Measured as resident memory: 200 000 entries of a 65-byte body with one
+/// header took about 800 bytes each, of which about 140 are the bytes counted below.
+const ENTRY_OVERHEAD: u64 = 640;
+
+/// The memory a recorded header costs besides its name and value: its two allocations.
+const HEADER_OVERHEAD: u64 = 48;
 
 impl ReplayCache {
     /// A cache of at most `max_entries` responses and about `max_bytes` bytes; both must be
@@ -114,7 +122,7 @@ impl ReplayCache {
             + response
                 .headers
                 .iter()
-                .map(|(n, v)| (n.len() + v.len()) as u64)
+                .map(|(n, v)| HEADER_OVERHEAD + (n.len() + v.len()) as u64)
                 .sum::<u64>()
             + (identity.consumer().len()
                 + identity.producer().name().len()
