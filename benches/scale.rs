@@ -44,9 +44,9 @@
 //! |---|---|---|
 //! | `SCALE_ROWS` | 1000000 | the largest inbox of `size` |
 //! | `SCALE_ROUNDS` | 5 | rounds of `size` and `hold`, for the spread across rounds |
-//! | `SCALE_SAMPLES` | 500 | requests per size, probe and round (`size`) |
+//! | `SCALE_SAMPLES` | 1000 | requests per size, probe and round (`size`) |
 //! | `SCALE_PURGE_ROWS` | `SCALE_ROWS` | expired rows the purge deletes |
-//! | `SCALE_PURGE_ROUNDS` | 2 | rounds of `purge` (each refills the inbox) |
+//! | `SCALE_PURGE_ROUNDS` | 3 | rounds of `purge` (each refills the inbox) |
 //! | `SCALE_PURGE_CONCURRENCY` | 8 | requests in flight during `purge` |
 //! | `SCALE_PURGE_BASE_SECS` | 10 | seconds of load without the purge, before and after it |
 //! | `SCALE_PURGE_BATCH` | 200 | the purger's batch size (its default) |
@@ -146,9 +146,9 @@ impl Config {
             scenarios: Scenario::chosen()?,
             rows,
             rounds: env_num("SCALE_ROUNDS", 5, 1)?,
-            samples: env_num("SCALE_SAMPLES", 500, 1)?,
+            samples: env_num("SCALE_SAMPLES", 1000, 1)?,
             purge_rows: env_num("SCALE_PURGE_ROWS", rows, 1)?,
-            purge_rounds: env_num("SCALE_PURGE_ROUNDS", 2, 1)?,
+            purge_rounds: env_num("SCALE_PURGE_ROUNDS", 3, 1)?,
             purge_concurrency: env_num("SCALE_PURGE_CONCURRENCY", 8, 1)?,
             purge_base: Duration::from_secs(purge_base),
             purge_batch: env_num("SCALE_PURGE_BATCH", 200, 1)?,
@@ -462,7 +462,7 @@ async fn inbox_blocks(pool: &PgPool) -> Result<(i64, i64), sqlx::Error> {
 // size
 
 /// One inbox size: its pool, routes and claim probe.
-struct Sized {
+struct SizedInbox {
     rows: u64,
     pool: PgPool,
     router: Router,
@@ -471,7 +471,7 @@ struct Sized {
     claims: Vec<Vec<Duration>>,
 }
 
-impl Sized {
+impl SizedInbox {
     /// The claim alone of the `n`th key: acquire, `BEGIN`, the claim statement. The rollback
     /// that follows is not timed.
     async fn claim(&self, n: u64) -> Result<Duration, BoxError> {
@@ -512,7 +512,7 @@ async fn size(config: &Config, db: &Database) -> Result<(), BoxError> {
         let took = fill_inbox(&pool, rows, Duration::from_secs(3600)).await?;
         eprintln!("size: {rows} rows inserted and vacuumed in {took:.1?}");
         let router = app::routes(pool.clone(), app::inbox_layer(pool.clone()).build()?);
-        inboxes.push(Sized {
+        inboxes.push(SizedInbox {
             rows,
             inbox: Inbox::new(pool.clone()),
             pool,

@@ -1160,14 +1160,13 @@ impl Uptime {
             self.edge(),
             self.edge()
         );
-        let line = |what: &str, unit: &str, v: Option<[f64; 4]>| {
-            match v {
+        let line = |what: &str, unit: &str, v: Option<[f64; 4]>| match v {
             Some([first, last, min, max]) => println!(
-                "  {what}: first {first:.1} {unit}, last {last:.1} {unit}, last / first {:.3}                  (min {min:.1}, max {max:.1})",
+                "  {what}: first {first:.1} {unit}, last {last:.1} {unit}, last / first {:.3} \
+                 (min {min:.1}, max {max:.1})",
                 last / first
             ),
             None => println!("  {what}: fewer than two intervals, or not readable"),
-        }
         };
         line("throughput", "responses/s", self.throughput());
         if self.intervals.iter().any(|i| i.rss_kib.is_some()) {
