@@ -6,6 +6,10 @@
 #
 #   benches/http.sh --connections 32 --duration 10 --rounds 3
 #   benches/http.sh --connections 32 --duration 10 --rounds 3 --duplicates 0.5 --json
+#   benches/http.sh --routes layered --rounds 1 --requests 1000000 --report-every 10
+#
+# With --report-every, the load generator is also given the service's pid (--server-pid), so
+# that each interval shows the service's resident memory next to its throughput.
 #
 # The service uses DATABASE_URL if it is set, else the PostgreSQL on 127.0.0.1:5432, else a
 # throwaway cluster (see README.md). Its log goes to a temporary file, printed if it fails.
@@ -14,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 
@@ -65,6 +69,15 @@ if [ -z "$address" ]; then
 fi
 echo "http.sh: credits service (pid $server_pid) listening on $address" >&2
 
+# The service's pid for the memory figures, only when intervals are asked for (clap refuses
+# --server-pid without --report-every).
+pid_args=()
+for arg in "$@"; do
+    case "$arg" in
+    --report-every | --report-every=*) pid_args=(--server-pid "$server_pid") ;;
+    esac
+done
+
 status=0
-"$loadgen" --url "http://$address" "$@" || status=$?
+"$loadgen" --url "http://$address" "${pid_args[@]}" "$@" || status=$?
 exit "$status"

@@ -53,40 +53,31 @@
 //! created when needed. When `DATABASE_URL` names a database, that database is used as it is:
 //! **the bench truncates the credits and inbox tables in it.**
 
-// The example's router, shared with the tests; the bench uses only part of it.
+// The example's router and what the benches share; this one uses only part of it.
 #[allow(dead_code)]
-#[path = "../examples/credits/app.rs"]
-mod app;
+mod support;
 
-use std::error::Error;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use axum::body::Body;
-use axum::http::header::CONTENT_TYPE;
-use axum::http::{Request, Response, StatusCode};
+use axum::http::{Response, StatusCode};
 use axum::Router;
 use criterion::{Criterion, SamplingMode, Throughput};
-use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
 use tokio::runtime::Runtime;
 use tokio::task::JoinSet;
-use tower::ServiceExt;
 use tower_inbox::{ClaimMode, InboxLayerBuilder, ReplayCache};
 
-type BoxError = Box<dyn Error + Send + Sync>;
+use support::{app, call, BoxError, Credit};
 
-/// Accounts the credits are spread over.
-const ACCOUNTS: u64 = 10_000;
 /// Keys committed at the start of each group, replayed by `duplicate` and `conflict`.
 const COMMITTED_KEYS: u64 = 1_024;
 /// Requests in flight at once in the `concurrent32` group.
 const CONCURRENCY: u64 = 32;
 /// Room for every request in flight, with some to spare.
 const POOL_SIZE: u32 = 40;
-/// The `X-Producer` every request carries (the example's stand-in for authentication).
-const PRODUCER: &str = "bench";
 /// The groups, in the order they run.
 const GROUPS: [&str; 2] = ["latency", "concurrent32"];
 
@@ -130,15 +121,15 @@ impl Case {
     /// commands, one of the committed keys for the others.
     fn credit(self, n: u64) -> Credit {
         match self {
-            Self::Baseline => Credit::new(KeyStream::Baseline, n, 1),
-            Self::FirstSeen => Credit::new(KeyStream::FirstSeen, n, 1),
-            Self::FirstSeenAtCommit => Credit::new(KeyStream::FirstSeenAtCommit, n, 1),
+            Self::Baseline => Credit::new(KeyStream::Baseline as u8, n, 1),
+            Self::FirstSeen => Credit::new(KeyStream::FirstSeen as u8, n, 1),
+            Self::FirstSeenAtCommit => Credit::new(KeyStream::FirstSeenAtCommit as u8, n, 1),
             // Exactly what was committed: same key, same account, same body.
             Self::Duplicate | Self::DuplicateLookup | Self::DuplicateCached => {
-                Credit::new(KeyStream::Committed, n % COMMITTED_KEYS, 1)
+                Credit::new(KeyStream::Committed as u8, n % COMMITTED_KEYS, 1)
             }
             // The same key with another delta: another fingerprint.
-            Self::Conflict => Credit::new(KeyStream::Committed, n % COMMITTED_KEYS, 2),
+            Self::Conflict => Credit::new(KeyStream::Committed as u8, n % COMMITTED_KEYS, 2),
         }
     }
 
@@ -168,45 +159,6 @@ enum KeyStream {
     FirstSeenAtCommit = 4,
 }
 
-/// One credit command.
-struct Credit {
-    key: String,
-    account: u64,
-    delta: i64,
-}
-
-impl Credit {
-    /// The `n`th command of `stream`: a random-looking key (distinct for distinct `n`) that
-    /// picks the account.
-    fn new(stream: KeyStream, n: u64, delta: i64) -> Self {
-        let id = mix(((stream as u64) << 56) | n);
-        Self {
-            key: format!("{id:016x}"),
-            account: id % ACCOUNTS,
-            delta,
-        }
-    }
-
-    /// The request, to the layered route or (`baseline`) to the unprotected one.
-    fn request(&self, baseline: bool) -> Request<Body> {
-        let prefix = if baseline { "/baseline" } else { "" };
-        Request::post(format!("{prefix}/accounts/acct-{}/credits", self.account))
-            .header("idempotency-key", &self.key)
-            .header("x-producer", PRODUCER)
-            .header(CONTENT_TYPE, "application/json")
-            .body(Body::from(format!(r#"{{"delta":{}}}"#, self.delta)))
-            .expect("a valid request")
-    }
-}
-
-/// splitmix64's finaliser: a bijection on `u64` (xor-shifts and odd multipliers are
-/// invertible), so distinct inputs give distinct, well-spread outputs.
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
 /// The runtime, the pool and the two routers every benchmark uses.
 struct Bench {
     runtime: Runtime,
@@ -224,19 +176,11 @@ impl Bench {
             .enable_all()
             .build()?;
         let routers = runtime.block_on(async {
-            let url = tower_inbox_testdb::app_database_url("tower_inbox_bench").await?;
-            // As the example serves it: no ping before each acquire (see examples/credits.rs).
-            let pool = PgPoolOptions::new()
-                .max_connections(POOL_SIZE)
-                .acquire_timeout(Duration::from_secs(30))
-                .test_before_acquire(false)
-                .connect(&url)
+            let options = support::connect_options("tower_inbox_bench").await?;
+            let pool = support::pool_options(POOL_SIZE)
+                .connect_with(options)
                 .await?;
-            app::prepare(&pool).await?;
-            let database: String = sqlx::query_scalar("select current_database()")
-                .fetch_one(&pool)
-                .await?;
-            eprintln!("layer bench: database {database}");
+            support::prepare(&pool, "layer").await?;
             let routes = |configure: fn(InboxLayerBuilder) -> InboxLayerBuilder| {
                 let layer = configure(app::inbox_layer(pool.clone())).build()?;
                 Ok::<_, BoxError>(app::routes(pool.clone(), layer))
@@ -276,17 +220,9 @@ impl Bench {
     /// `conflict` send again, so that every group starts from the same state.
     fn reset(&self) {
         self.runtime.block_on(async {
-            sqlx::raw_sql(&format!(
-                "truncate credit_ledger, credit_account, consumer_inbox, consumer_inbox_failure,
-                          inbox_quarantine, message_outbox restart identity;
-                 insert into credit_account (account_id, balance)
-                     select 'acct-' || g, 0 from generate_series(0, {}) g;
-                 analyze credit_account;",
-                ACCOUNTS - 1
-            ))
-            .execute(&self.pool)
-            .await
-            .expect("reset the tables");
+            support::reset_tables(&self.pool)
+                .await
+                .expect("reset the tables");
             for start in (0..COMMITTED_KEYS).step_by(CONCURRENCY as usize) {
                 let mut commits = JoinSet::new();
                 for n in start..(start + CONCURRENCY).min(COMMITTED_KEYS) {
@@ -301,13 +237,6 @@ impl Bench {
             }
         });
     }
-}
-
-/// Sends a request through the router, as a server would, without a socket.
-async fn call(router: Router, request: Request<Body>) -> Response<Body> {
-    // A `Router`'s error type is `Infallible`.
-    let Ok(response) = router.oneshot(request).await;
-    response
 }
 
 /// Sends the `n`th request of `case` and checks the answer.

@@ -58,6 +58,19 @@
 //! recorded for every response, expected or not; a transport error has none, and its
 //! connection is closed and opened again.
 //!
+//! # Over uptime
+//!
+//! `--report-every SECS` prints, on stderr as the measured rounds go, the responses per second
+//! of each interval (all routes and kinds together: use one route, `--routes layered`, for a
+//! soak), and with `--server-pid PID` the server's resident memory (`VmRSS` in
+//! `/proc/PID/status`, Linux) at each interval's end. At the end the report compares the
+//! first tenth of the intervals with the last tenth: is throughput flat, is memory flat?
+//! `benches/http.sh` passes the server's pid itself, so only `--report-every` is needed:
+//!
+//! ```sh
+//! benches/http.sh --routes layered --rounds 1 --requests 1000000 --report-every 10
+//! ```
+//!
 //! Exit status: 0 when every response was the expected one; 3 when the run completed but saw
 //! mismatches or transport errors (the figures are printed all the same, with a warning on
 //! stderr); 1 when it could not run (bad URL, server unreachable, or a route that does not
@@ -164,6 +177,14 @@ struct Args {
     /// Client runtime threads: 1 is a current-thread runtime, more a multi-thread one.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
     threads: u32,
+    /// Print the measured rounds' throughput every SECS seconds (on stderr, as it goes) and
+    /// compare the first and last intervals at the end: is throughput flat over uptime?
+    #[arg(long, value_name = "SECS", value_parser = parse_phase_secs)]
+    report_every: Option<Duration>,
+    /// With --report-every: the server's process id, whose resident memory (VmRSS in
+    /// /proc/PID/status) is printed with each interval: is memory flat over uptime?
+    #[arg(long, value_name = "PID", requires = "report_every")]
+    server_pid: Option<u32>,
     /// Print the report as one JSON object.
     #[arg(long)]
     json: bool,
@@ -339,6 +360,8 @@ struct Plan {
     conflicts: f64,
     timeout: Duration,
     run_id: String,
+    /// Responses so far, every route and kind: read by the interval reports.
+    responses: AtomicU64,
 }
 
 impl Plan {
@@ -380,6 +403,7 @@ impl Plan {
             conflicts: args.conflicts,
             timeout: args.timeout,
             run_id,
+            responses: AtomicU64::new(0),
         })
     }
 
@@ -805,6 +829,7 @@ async fn drive(mut slot: Slot, plan: Arc<Plan>, mut sender: Option<Sender>, stop
         let latency = started.elapsed();
         match outcome {
             Ok(Ok(reply)) => {
+                plan.responses.fetch_add(1, Ordering::Relaxed);
                 let mismatch = (reply.status, reply.replayed) != expected;
                 kind_stats.record(latency, reply.status, reply.replayed, mismatch);
                 if mismatch {
@@ -1028,10 +1053,161 @@ async fn preflight(plan: &Plan, routes: &[Route]) -> Result<(), String> {
     Ok(())
 }
 
-/// Runs the warmup and the rounds; returns the run id and what each route measured.
-async fn run(args: &Args) -> Result<(String, Vec<RouteReport>), String> {
+/// One `--report-every` interval of the measured rounds.
+struct Interval {
+    /// Time since the measured rounds started, at the interval's end.
+    at: Duration,
+    /// Responses per second in the interval, all routes and kinds.
+    per_second: f64,
+    /// The server's resident memory at the interval's end, in KiB (`--server-pid`).
+    rss_kib: Option<u64>,
+}
+
+/// The server's resident memory in KiB: VmRSS in `/proc/PID/status` (Linux).
+fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?;
+    line.trim().trim_end_matches("kB").trim().parse().ok()
+}
+
+/// Prints a line on stderr every `every` until `stop` fires, and returns the intervals.
+/// Rates are taken over the time that really passed, so a late tick skews nothing.
+async fn report_intervals(
+    plan: Arc<Plan>,
+    every: Duration,
+    pid: Option<u32>,
+    mut stop: tokio::sync::oneshot::Receiver<()>,
+) -> Vec<Interval> {
+    let started = Instant::now();
+    let mut ticks = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let (mut last_at, mut last_responses) = (started, plan.responses.load(Ordering::Relaxed));
+    let mut intervals = Vec::new();
+    loop {
+        tokio::select! {
+            biased;
+            _ = &mut stop => return intervals,
+            _ = ticks.tick() => {}
+        }
+        let now = Instant::now();
+        let responses = plan.responses.load(Ordering::Relaxed);
+        let interval = Interval {
+            at: now - started,
+            per_second: (responses - last_responses) as f64 / (now - last_at).as_secs_f64(),
+            rss_kib: pid.and_then(rss_kib),
+        };
+        (last_at, last_responses) = (now, responses);
+        let rss = interval
+            .rss_kib
+            .map(|kib| format!(", server RSS {:.1} MiB", kib as f64 / 1024.0))
+            .unwrap_or_default();
+        eprintln!(
+            "loadgen: interval {:>4} at {:>7.1} s: {:>8.0} responses/s{rss}",
+            intervals.len() + 1,
+            interval.at.as_secs_f64(),
+            interval.per_second
+        );
+        intervals.push(interval);
+    }
+}
+
+/// Throughput and memory over the measured rounds, interval by interval.
+struct Uptime {
+    every: Duration,
+    intervals: Vec<Interval>,
+}
+
+impl Uptime {
+    /// Intervals averaged at each end: the first and last tenth, at least one.
+    fn edge(&self) -> usize {
+        (self.intervals.len() / 10).max(1)
+    }
+
+    /// The mean of `value` over the first and over the last [`edge`](Self::edge) intervals,
+    /// and its minimum and maximum over all; `None` with fewer than two intervals.
+    fn compare(&self, value: impl Fn(&Interval) -> Option<f64>) -> Option<[f64; 4]> {
+        let n = self.edge();
+        if self.intervals.len() < 2 {
+            return None;
+        }
+        let values: Option<Vec<f64>> = self.intervals.iter().map(value).collect();
+        let values = values?;
+        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+        let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        Some([
+            mean(&values[..n]),
+            mean(&values[values.len() - n..]),
+            min,
+            max,
+        ])
+    }
+
+    fn throughput(&self) -> Option<[f64; 4]> {
+        self.compare(|i| Some(i.per_second))
+    }
+
+    fn rss_mib(&self) -> Option<[f64; 4]> {
+        self.compare(|i| i.rss_kib.map(|kib| kib as f64 / 1024.0))
+    }
+
+    fn print(&self) {
+        let n = self.intervals.len();
+        println!();
+        println!(
+            "uptime: {n} intervals of {} s; the first {} against the last {}:",
+            self.every.as_secs_f64(),
+            self.edge(),
+            self.edge()
+        );
+        let line = |what: &str, unit: &str, v: Option<[f64; 4]>| match v {
+            Some([first, last, min, max]) => println!(
+                "  {what}: first {first:.1} {unit}, last {last:.1} {unit}, last / first {:.3} \
+                 (min {min:.1}, max {max:.1})",
+                last / first
+            ),
+            None => println!("  {what}: fewer than two intervals, or not readable"),
+        };
+        line("throughput", "responses/s", self.throughput());
+        if self.intervals.iter().any(|i| i.rss_kib.is_some()) {
+            line("server RSS", "MiB", self.rss_mib());
+        }
+    }
+
+    fn json(&self) -> Value {
+        let pair = |v: Option<[f64; 4]>| {
+            v.map(|[first, last, min, max]| {
+                json!({"first": first, "last": last, "last_over_first": last / first,
+                       "min": min, "max": max})
+            })
+        };
+        json!({
+            "every_s": self.every.as_secs_f64(),
+            "edge_intervals": self.edge(),
+            "throughput": pair(self.throughput()),
+            "server_rss_mib": pair(self.rss_mib()),
+            "intervals": self.intervals.iter().map(|i| json!({
+                "at_s": i.at.as_secs_f64(),
+                "per_second": i.per_second,
+                "rss_kib": i.rss_kib,
+            })).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// What a run measured: its id, each route's figures and, with `--report-every`, the
+/// intervals.
+type RunResult = (String, Vec<RouteReport>, Option<Uptime>);
+
+/// Runs the warmup and the rounds.
+async fn run(args: &Args) -> Result<RunResult, String> {
     let target = resolve(&args.url).await?;
     let plan = Arc::new(Plan::new(args, target, run_id())?);
+    if let Some(pid) = args.server_pid {
+        rss_kib(pid).ok_or_else(|| {
+            format!("--server-pid {pid}: cannot read VmRSS from /proc/{pid}/status")
+        })?;
+    }
     let routes = args.routes.list();
     preflight(&plan, routes).await?;
 
@@ -1075,6 +1251,16 @@ async fn run(args: &Args) -> Result<(String, Vec<RouteReport>), String> {
             *slots = warm;
         }
     }
+    let reporter = args.report_every.map(|every| {
+        let (stop, stopped) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(report_intervals(
+            plan.clone(),
+            every,
+            args.server_pid,
+            stopped,
+        ));
+        (every, stop, task)
+    });
     for _ in 0..args.rounds {
         for (slots, report) in &mut state {
             let (done, phase) = run_phase(&plan, std::mem::take(slots), limit).await?;
@@ -1089,7 +1275,17 @@ async fn run(args: &Args) -> Result<(String, Vec<RouteReport>), String> {
         }
         reports.push(report);
     }
-    Ok((plan.run_id.clone(), reports))
+    let uptime = match reporter {
+        Some((every, stop, task)) => {
+            let _ = stop.send(());
+            let intervals = task
+                .await
+                .map_err(|e| format!("the interval reports failed: {e}"))?;
+            Some(Uptime { every, intervals })
+        }
+        None => None,
+    };
+    Ok((plan.run_id.clone(), reports, uptime))
 }
 
 /// What the report prints for one kind (or all kinds) of one route: the counts, the rate
@@ -1456,7 +1652,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let (run_id, reports) = match runtime.block_on(run(&args)) {
+    let (run_id, reports, uptime) = match runtime.block_on(run(&args)) {
         Ok(done) => done,
         Err(e) => {
             eprintln!("loadgen: {e}");
@@ -1475,9 +1671,16 @@ fn main() -> ExitCode {
         }
     };
     if args.json {
-        println!("{:#}", report_json(&args, &run_id, &figures, &runtime_name));
+        let mut report = report_json(&args, &run_id, &figures, &runtime_name);
+        if let Some(uptime) = &uptime {
+            report["uptime"] = uptime.json();
+        }
+        println!("{report:#}");
     } else {
         print_text(&args, &run_id, &figures, &runtime_name);
+        if let Some(uptime) = &uptime {
+            uptime.print();
+        }
     }
     let (mismatches, errors) = reports.iter().fold((0, 0), |(m, e), r| {
         (
