@@ -19,8 +19,8 @@
 //!   ANALYZE`). Each size has its own schema (its own `consumer_inbox`), so that the sizes
 //!   can be interleaved request by request, which cancels the machine's drift. Two probes per
 //!   size: a credit through the layer (in-process, as `benches/layer.rs`), and the claim
-//!   alone (`Inbox::claim`, that is the pool acquire, `BEGIN` and the claim statement; its
-//!   rollback is not timed, so the inbox keeps its size). Reports p50 and p99 and their
+//!   alone (`Inbox::claim`, that is the pool acquire and the one message that carries the
+//!   `BEGIN` and the claim; its rollback is not timed, so the inbox keeps its size). Reports p50 and p99 and their
 //!   ratios to the empty inbox, per round, and the inbox's buffer reads per request from
 //!   `pg_statio_user_tables` (blocks PostgreSQL had to read, not find in shared buffers).
 //! - `purge`: first-seen credits at a steady `SCALE_PURGE_CONCURRENCY` requests in flight
