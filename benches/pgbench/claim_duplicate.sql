@@ -1,6 +1,8 @@
--- claim duplicate: what the layer sends today for a duplicate (src/inbox/mod.rs
--- claim_in_span): a transaction, the claim that finds the recorded row, a rollback. Compare
--- with replay.sql, the read alone. Uses the rows run.sh recorded for replay.sql.
+-- claim duplicate: a duplicate met by the claim, one statement per round trip: a
+-- transaction, the claim that finds the recorded row, a rollback. (The layer now sends the
+-- BEGIN with a claim that raises, then the ROLLBACK with the read of the row: two round trips
+-- as here, but an expected error is not something pgbench can script.) Compare with
+-- replay.sql, the read alone. Uses the rows run.sh recorded for replay.sql.
 \set key random(1, :rows)
 BEGIN ISOLATION LEVEL READ COMMITTED;
 select claimed, payload_sha256, handler_version, processed_at is not null as processed,

@@ -1,6 +1,7 @@
--- claim first: what the layer sends today for a first-seen command (src/inbox/sql.rs CLAIM
--- and RECORD, src/inbox/mod.rs) around the credits handler's two statements. The key is
--- new every time: the client id followed by 14 random digits.
+-- claim first, one statement per round trip: the protocol's statements (the claim, the
+-- handler's two statements, the record, as issue 5's reference table lists them) around the
+-- credits handler, each its own prepared statement. The layer itself now joins the BEGIN with
+-- the claim and the record with the COMMIT (layer_first_seen.sql). The key is new every time.
 -- The recorded response is the handler's: 201, content-type application/json and its small
 -- JSON body, written in hex so that pgbench does not read the colons in it as variables (the
 -- colon of the quarantine item key is \x3a for the same reason).

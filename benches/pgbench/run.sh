@@ -17,7 +17,10 @@
 #   SINGLE_DURATION  seconds per one-client latency run (default 5)
 #   REPLAY_ROWS      recorded rows replay.sql and claim_duplicate.sql read from (default 100000)
 #   SCRIPTS          which scripts, in order (default: bare claim_first claim_at_commit replay
-#                    claim_duplicate)
+#                    claim_duplicate bare@simple layer_first_seen@simple
+#                    layer_at_commit@simple). A script runs with -M prepared, or with the
+#                    mode after its @: the layer_* scripts join statements into one message,
+#                    which only -M simple allows, and their ratio is to bare@simple.
 #
 # It drops and recreates the database tower_inbox_pgbench, applies the crate's migrations
 # and the example's schema (examples/credits/schema.sql) with psql, and before every run
@@ -33,7 +36,7 @@ threads="${THREADS:-2}"
 duration="${DURATION:-20}"
 single_duration="${SINGLE_DURATION:-5}"
 replay_rows="${REPLAY_ROWS:-100000}"
-read -r -a scripts <<<"${SCRIPTS:-bare claim_first claim_at_commit replay claim_duplicate}"
+read -r -a scripts <<<"${SCRIPTS:-bare claim_first claim_at_commit replay claim_duplicate bare@simple layer_first_seen@simple layer_at_commit@simple}"
 
 for tool in psql pgbench; do
     command -v "$tool" >/dev/null || { echo "run.sh: $tool is not on PATH" >&2; exit 1; }
@@ -93,9 +96,10 @@ field() { sed -n "s/^$1 = \([0-9.]*\).*/\1/p" | head -n 1; }
 # Runs one script from a reset database; leaves pgbench's report in $report.
 report=""
 bench() {
-    local script="$1" n="$2" jobs="$3" seconds="$4"
+    local script="${1%@*}" mode=prepared n="$2" jobs="$3" seconds="$4"
+    [[ "$1" == *@* ]] && mode="${1#*@}"
     reset
-    if ! report="$(pgbench -M prepared -n -c "$n" -j "$jobs" -T "$seconds" \
+    if ! report="$(pgbench -M "$mode" -n -c "$n" -j "$jobs" -T "$seconds" \
         -D rows="$replay_rows" -f "$here/$script.sql" "$scratch" 2>&1)"; then
         echo "$report" >&2
         echo "run.sh: pgbench failed on $script.sql" >&2
@@ -105,7 +109,7 @@ bench() {
 
 declare -A tps latency
 for script in "${scripts[@]}"; do
-    echo "running $script.sql: $clients clients for ${duration}s, then 1 client for ${single_duration}s" >&2
+    echo "running ${script%@*}.sql (-M $([[ "$script" == *@* ]] && echo "${script#*@}" || echo prepared)): $clients clients for ${duration}s, then 1 client for ${single_duration}s" >&2
     bench "$script" "$clients" "$threads" "$duration"
     tps[$script]="$(field tps <<<"$report")"
     bench "$script" 1 1 "$single_duration"
@@ -118,8 +122,11 @@ echo "| transaction | tps ($clients clients) | × bare | latency at 1 client |"
 echo "|---|---|---|---|"
 for script in "${scripts[@]}"; do
     ratio="–"
-    if [[ -n "$bare" ]]; then
-        ratio="$(awk -v a="${tps[$script]}" -v b="$bare" 'BEGIN { printf "%.2f", a / b }')"
+    # A script run in another mode is compared with the bare credit run in that mode.
+    base="$bare"
+    [[ "$script" == *@* ]] && base="${tps[bare@${script#*@}]:-}"
+    if [[ -n "$base" ]]; then
+        ratio="$(awk -v a="${tps[$script]}" -v b="$base" 'BEGIN { printf "%.2f", a / b }')"
     fi
     printf '| %s | %.0f | %s | %s ms |\n' "$script" "${tps[$script]}" "$ratio" "${latency[$script]}"
 done
