@@ -6,7 +6,9 @@
 -- A simple query sent as the transaction's BEGIN returns no rows to the caller, so the outcome
 -- travels as success or error: claimed, or SQLSTATE TICL1 when the key is already held by a
 -- committed row (the caller then rolls back and reads that row), or 55P03 when another
--- transaction still holds it after the wait.
+-- transaction still holds it after the wait. An error is the only answer a BEGIN's message
+-- can give, so the server logs each such duplicate as an ERROR (with the statement, under the
+-- default log_min_error_statement); the README says how to keep that quiet.
 create function tower_inbox_claim_or_raise(
     p_consumer text,
     p_producer text,
@@ -29,8 +31,7 @@ begin
         (p_consumer, p_producer, p_tenant, p_message_id, p_payload_sha256, p_handler_version)
     on conflict do nothing;
     if not found then
-        raise exception 'tower-inbox: % is already claimed', p_message_id
-            using errcode = 'TICL1';
+        raise exception 'tower-inbox: the message is already claimed' using errcode = 'TICL1';
     end if;
     perform set_config('lock_timeout', previous_lock_timeout, true);
 end

@@ -41,6 +41,8 @@ fn response() -> RecordedResponse {
             ("x-odd".to_owned(), b"a,b {c} \"d\" \\e 'f' NULL".to_vec()),
             ("x-bytes".to_owned(), (0x80..=0xff).collect()),
             ("x-empty".to_owned(), Vec::new()),
+            // An array element spelled NULL reads as a null in an array's text form.
+            ("NULL".to_owned(), b"NULL".to_vec()),
         ],
         body: Bytes::from((0..=255u8).collect::<Vec<u8>>()),
     }
@@ -85,6 +87,19 @@ async fn assert_clean(app: &TestApp, pool: &PgPool, marker: i32, holders: usize)
     for query in &in_transaction {
         assert!(query.contains("tower_inbox_claim_or_raise"), "{query}");
     }
+}
+
+/// Claims a key with a payload, waiting for no one.
+async fn claim(inbox: &Inbox, key: &str, payload: &[u8]) -> Claim {
+    inbox
+        .claim(
+            identity(key),
+            Fingerprint::of_bytes(payload),
+            "v1",
+            Duration::ZERO,
+        )
+        .await
+        .unwrap()
 }
 
 /// Claims a key that must be free.
@@ -134,16 +149,7 @@ async fn a_duplicate_and_a_conflict_carry_the_recorded_row_and_leave_the_connect
     }
     assert_pool_connection_clean(&app, &pool, 2).await;
 
-    match inbox
-        .claim(
-            identity("k1"),
-            Fingerprint::of_bytes(b"another payload"),
-            "v1",
-            Duration::ZERO,
-        )
-        .await
-        .unwrap()
-    {
+    match claim(&inbox, "k1", b"another payload").await {
         Claim::Conflict(entry) => assert_eq!(entry.payload_sha256, fingerprint.to_hex()),
         other => panic!("expected a conflict, got {other:?}"),
     }
@@ -161,6 +167,36 @@ async fn a_duplicate_and_a_conflict_carry_the_recorded_row_and_leave_the_connect
         other => panic!("expected a duplicate, got {other:?}"),
     }
     assert_pool_connection_clean(&app, &pool, 4).await;
+}
+
+#[tokio::test]
+async fn a_duplicate_reads_the_same_whatever_bytea_output_says() {
+    let (app, _) = app_with_probe().await;
+    sqlx::query(&format!(
+        "alter database \"{}\" set bytea_output = 'escape'",
+        app.db.name()
+    ))
+    .execute(&app.pool)
+    .await
+    .expect("alter database");
+    // A new pool: its connections start with the database's setting.
+    let pool = app.db.pool(1).await;
+    let setting: String = sqlx::query_scalar("show bytea_output")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(setting, "escape");
+    let inbox = Inbox::new(pool.clone());
+    claimed(&inbox, "k", Duration::ZERO)
+        .await
+        .commit(Some(&response()))
+        .await
+        .unwrap();
+    match claim(&inbox, "k", b"payload").await {
+        Claim::Duplicate(entry) => assert_eq!(entry.response, Some(response())),
+        other => panic!("expected a duplicate, got {other:?}"),
+    }
+    assert_pool_connection_clean(&app, &pool, 1).await;
 }
 
 #[tokio::test]

@@ -151,6 +151,27 @@ fn hex(out: &mut String, bytes: &[u8]) {
     }
 }
 
+/// Bytes from lowercase or uppercase hex, as `encode(…, 'hex')` writes them; `None` for
+/// anything else.
+pub(crate) fn from_hex(hex: &str) -> Option<Vec<u8>> {
+    fn digit(c: u8) -> Option<u8> {
+        match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            b'A'..=b'F' => Some(c - b'A' + 10),
+            _ => None,
+        }
+    }
+    let bytes = hex.as_bytes();
+    if !bytes.len().is_multiple_of(2) {
+        return None;
+    }
+    bytes
+        .chunks_exact(2)
+        .map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?))
+        .collect()
+}
+
 fn bytea(out: &mut String, value: &[u8]) {
     out.push_str("E'\\\\x");
     hex(out, value);
@@ -258,6 +279,18 @@ mod tests {
             sql,
             "select f(E'', array[]::text[], array[]::bytea[]); commit; begin"
         );
+    }
+
+    #[test]
+    fn hex_reads_back_and_refuses_anything_else() {
+        let mut sql = String::new();
+        hex(&mut sql, &[0, 0x7f, 0xff, 0x10]);
+        assert_eq!(from_hex(&sql), Some(vec![0, 0x7f, 0xff, 0x10]));
+        assert_eq!(from_hex("ABcd"), Some(vec![0xab, 0xcd]));
+        assert_eq!(from_hex(""), Some(vec![]));
+        assert_eq!(from_hex("abc"), None);
+        assert_eq!(from_hex("zz"), None);
+        assert_eq!(from_hex("é1"), None);
     }
 
     proptest::proptest! {

@@ -77,7 +77,9 @@ pub enum InboxError {
     Transient(#[source] sqlx::Error),
     /// The transaction was rolled back instead of committed because it has to be re-run:
     /// a watched statement failed with a serialization failure or deadlock (which aborted
-    /// it), or a re-run was requested with [`ClaimedMessage::request_retry`].
+    /// it), or a re-run was requested with [`ClaimedMessage::request_retry`]. A claim also
+    /// answers it when the key it found taken kept vanishing before it could read the row
+    /// (three times; a purge racing it), like the serialization failure it is.
     #[error("the inbox transaction was rolled back to be re-run ({0})")]
     Rerun(RetryReason),
     /// (Claim at commit only.) Another transaction claimed the message first: everything
@@ -427,7 +429,7 @@ impl Inbox {
             let then = match failed.code().as_deref() {
                 // The key is taken by a committed row: read it in the ROLLBACK's message.
                 Some(sql::TAKEN) => literal::select_where(
-                    sql::LOOKUP_SELECT,
+                    sql::LOOKUP_TEXT_SELECT,
                     &[
                         (sql::KEY_COLUMNS[0], consumer),
                         (sql::KEY_COLUMNS[1], identity.producer().name()),
@@ -450,9 +452,10 @@ impl Inbox {
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
             if let Some(row) = rows.first() {
-                return seen_from_row(row, &fingerprint_hex);
+                return seen(entry_from_text_row(row)?, &fingerprint_hex);
             }
         }
+        // Taken three times, gone three times: contention with the purge, retried like one.
         Err(InboxError::Rerun(RetryReason::SerializationFailure))
     }
 
@@ -626,7 +629,10 @@ fn count_claim(claim: &Claim, labels: &[::metrics::Label]) -> &'static str {
 
 /// What a claim that found the key taken answers, from the winning row.
 fn seen_from_row(row: &PgRow, fingerprint_hex: &str) -> Result<Claim, InboxError> {
-    let entry = entry_from_row(row)?;
+    seen(entry_from_row(row)?, fingerprint_hex)
+}
+
+fn seen(entry: InboxEntry, fingerprint_hex: &str) -> Result<Claim, InboxError> {
     Ok(if entry.payload_sha256 != fingerprint_hex {
         Claim::Conflict(entry)
     } else if entry.processed {
@@ -654,13 +660,64 @@ fn entry_from_row(row: &PgRow) -> Result<InboxEntry, InboxError> {
                 .try_get::<Option<Vec<u8>>, _>("response_body")
                 .map_err(get)?
                 .unwrap_or_default();
-            Some(RecordedResponse {
-                status: u16::try_from(status).unwrap_or(500),
-                headers: names.into_iter().zip(values).collect(),
-                body: Bytes::from(body),
-            })
+            Some(recorded(
+                status,
+                names.into_iter().zip(values).collect(),
+                body,
+            ))
         }
     };
+    entry_with(row, response)
+}
+
+/// [`entry_from_row`] for a row of [`sql::LOOKUP_TEXT_SELECT`], read in text format.
+fn entry_from_text_row(row: &PgRow) -> Result<InboxEntry, InboxError> {
+    let get = |e| InboxError::Database(e);
+    let malformed = |what: &str| {
+        InboxError::Database(sqlx::Error::Decode(
+            format!("the inbox row's {what} is not the hex the lookup writes").into(),
+        ))
+    };
+    let status: Option<i16> = row.try_get("response_status").map_err(get)?;
+    let response = match status {
+        None => None,
+        Some(status) => {
+            let body: Option<String> = row.try_get("response_body_hex").map_err(get)?;
+            let body = match body {
+                Some(hex) => literal::from_hex(&hex).ok_or_else(|| malformed("body"))?,
+                None => Vec::new(),
+            };
+            let headers: Option<String> = row.try_get("response_headers_hex").map_err(get)?;
+            let mut pairs = Vec::new();
+            for pair in headers
+                .as_deref()
+                .unwrap_or("")
+                .split(',')
+                .filter(|p| !p.is_empty())
+            {
+                let (name, value) = pair.split_once(':').ok_or_else(|| malformed("headers"))?;
+                let name = literal::from_hex(name)
+                    .and_then(|n| String::from_utf8(n).ok())
+                    .ok_or_else(|| malformed("headers"))?;
+                let value = literal::from_hex(value).ok_or_else(|| malformed("headers"))?;
+                pairs.push((name, value));
+            }
+            Some(recorded(status, pairs, body))
+        }
+    };
+    entry_with(row, response)
+}
+
+fn recorded(status: i16, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> RecordedResponse {
+    RecordedResponse {
+        status: u16::try_from(status).unwrap_or(500),
+        headers,
+        body: Bytes::from(body),
+    }
+}
+
+fn entry_with(row: &PgRow, response: Option<RecordedResponse>) -> Result<InboxEntry, InboxError> {
+    let get = |e| InboxError::Database(e);
     Ok(InboxEntry {
         payload_sha256: row.try_get("payload_sha256").map_err(get)?,
         handler_version: row.try_get("handler_version").map_err(get)?,

@@ -70,8 +70,7 @@ select claimed, recovered, payload_sha256, handler_version, \
        response_header_values, response_body \
 from tower_inbox_claim_at_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
 
-/// What [`LOOKUP`] reads, without its `where`: also sent with literal values, after the
-/// `ROLLBACK` of a claim that found the key taken.
+/// What [`LOOKUP`] reads, without its `where`.
 macro_rules! lookup_select {
     () => {
         "select payload_sha256, handler_version, processed_at is not null as processed, \
@@ -79,7 +78,21 @@ macro_rules! lookup_select {
          from consumer_inbox"
     };
 }
-pub(crate) const LOOKUP_SELECT: &str = lookup_select!();
+
+/// [`LOOKUP`]'s row as text that reads the same whatever the session's settings, for the
+/// simple query that follows the `ROLLBACK` of a claim that found the key taken: a simple
+/// query answers in text format, where `bytea` follows `bytea_output` and an array element
+/// spelled `NULL` reads as a null. So the body is hex (`response_body_hex`), and the headers
+/// are one string of `<name as hex>:<value as hex>` pairs joined by commas
+/// (`response_headers_hex`, null for none).
+pub(crate) const LOOKUP_TEXT_SELECT: &str = "\
+select payload_sha256, handler_version, processed_at is not null as processed, response_status, \
+       encode(response_body, 'hex') as response_body_hex, \
+       (select string_agg(encode(convert_to(h.name, 'UTF8'), 'hex') || ':' || encode(h.value, 'hex'), \
+                          ',' order by h.n) \
+        from unnest(response_header_names, response_header_values) with ordinality as h(name, value, n)) \
+       as response_headers_hex \
+from consumer_inbox";
 
 /// The primary key's columns, in the order of [`LOOKUP`]'s parameters.
 pub(crate) const KEY_COLUMNS: [&str; 4] =

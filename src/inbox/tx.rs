@@ -1,11 +1,14 @@
 //! The claimed transaction's connection.
 //!
-//! sqlx's `Transaction` can only be opened by a `BEGIN` round trip of its own. The claim
-//! travels in the same message as the `BEGIN` instead, so the transaction is begun and ended
-//! here through sqlx's [`TransactionManager`], which keeps sqlx's own bookkeeping (the
-//! connection's transaction depth) exactly as a `Transaction` would: dropped unfinished, the
-//! transaction is rolled back by a `ROLLBACK` queued on the connection and sent with the
-//! pool's release ping.
+//! The claim travels in the same message as the `BEGIN`, and a taken key answers with an
+//! error. sqlx's `Transaction::begin` can send such a message, but when it fails it drops
+//! the connection, and the pool takes it back inside the aborted transaction (sqlx's
+//! release ping does not look at the transaction status). So the transaction is begun and
+//! ended here through sqlx's [`TransactionManager`], on a connection this module keeps: on
+//! failure it is rolled back before it goes back, and sqlx's own bookkeeping (the
+//! connection's transaction depth) stays exactly as a `Transaction` would keep it. Dropped
+//! unfinished, the transaction is rolled back by a `ROLLBACK` queued on the connection and
+//! sent with the pool's release ping.
 
 use std::ops::{Deref, DerefMut};
 
