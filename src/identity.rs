@@ -95,12 +95,13 @@ fn check_scope_name(what: &str, name: &str) -> Result<(), ProducerError> {
 /// order, to the query's next four parameters.
 macro_rules! bind_identity {
     ($query:expr, $identity:expr) => {{
-        let identity: &$crate::identity::MessageIdentity = $identity;
+        let [consumer, producer, tenant, message_id] =
+            $crate::identity::MessageIdentity::key_parts($identity);
         $query
-            .bind(identity.consumer())
-            .bind(identity.producer().name())
-            .bind(identity.tenant_column())
-            .bind(identity.message_id().as_str())
+            .bind(consumer)
+            .bind(producer)
+            .bind(tenant)
+            .bind(message_id)
     }};
 }
 pub(crate) use bind_identity;
@@ -150,6 +151,17 @@ impl MessageIdentity {
     }
 
     /// The tenant as stored: `''` when the producer has none.
+    /// The primary key's values, in its column order: consumer, producer, tenant column,
+    /// message ID. What the statements bind and the simple queries write as literals.
+    pub(crate) fn key_parts(&self) -> [&str; 4] {
+        [
+            self.consumer(),
+            self.producer().name(),
+            self.tenant_column(),
+            self.message_id().as_str(),
+        ]
+    }
+
     pub(crate) fn tenant_column(&self) -> &str {
         self.producer.tenant().unwrap_or("")
     }

@@ -16,6 +16,8 @@
 
 use std::fmt::Write;
 
+use crate::identity::MessageIdentity;
+
 /// Responses larger than this are recorded with bound parameters instead: a literal is
 /// twice the body's size and is parsed on every call.
 pub(crate) const MAX_LITERAL_BODY: usize = 32 * 1024;
@@ -48,6 +50,14 @@ impl Call {
     pub(crate) fn text(mut self, value: &str) -> Self {
         text(self.next(), value);
         self
+    }
+
+    /// The identity's primary-key values, as four `text` arguments.
+    pub(crate) fn identity(self, identity: &MessageIdentity) -> Self {
+        identity
+            .key_parts()
+            .into_iter()
+            .fold(self, |call, part| call.text(part))
     }
 
     /// A `bytea` argument, `null` for none.

@@ -390,10 +390,7 @@ impl Inbox {
             "{}; {}",
             self.isolation.begin(),
             literal::Call::new(sql::CLAIM_OR_RAISE)
-                .text(consumer)
-                .text(identity.producer().name())
-                .text(identity.tenant_column())
-                .text(identity.message_id().as_str())
+                .identity(&identity)
                 .text(&fingerprint_hex)
                 .text(handler_version)
                 .int(Some(i64::from(wait_ms)), "integer")
@@ -428,15 +425,13 @@ impl Inbox {
             };
             let then = match failed.code().as_deref() {
                 // The key is taken by a committed row: read it in the ROLLBACK's message.
-                Some(sql::TAKEN) => literal::select_where(
-                    sql::LOOKUP_TEXT_SELECT,
-                    &[
-                        (sql::KEY_COLUMNS[0], consumer),
-                        (sql::KEY_COLUMNS[1], identity.producer().name()),
-                        (sql::KEY_COLUMNS[2], identity.tenant_column()),
-                        (sql::KEY_COLUMNS[3], identity.message_id().as_str()),
-                    ],
-                ),
+                Some(sql::TAKEN) => {
+                    let key: Vec<_> = sql::KEY_COLUMNS
+                        .into_iter()
+                        .zip(identity.key_parts())
+                        .collect();
+                    literal::select_where(sql::LOOKUP_TEXT_SELECT, &key)
+                }
                 // lock_timeout: the original is still in flight. Nothing was written.
                 Some("55P03") => {
                     failed
@@ -997,10 +992,7 @@ impl ClaimedMessage {
             None => literal::Call::new("tower_inbox_record"),
             Some(_) => literal::Call::new("tower_inbox_claim_at_commit_or_abort"),
         }
-        .text(identity.consumer())
-        .text(identity.producer().name())
-        .text(identity.tenant_column())
-        .text(identity.message_id().as_str());
+        .identity(identity);
         let call = match &self.at_commit {
             None => call,
             Some(claim) => call

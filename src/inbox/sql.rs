@@ -94,7 +94,8 @@ select payload_sha256, handler_version, processed_at is not null as processed, r
        as response_headers_hex \
 from consumer_inbox";
 
-/// The primary key's columns, in the order of [`LOOKUP`]'s parameters.
+/// The primary key's columns, in the order of [`LOOKUP`]'s parameters and of
+/// `MessageIdentity::key_parts`.
 pub(crate) const KEY_COLUMNS: [&str; 4] =
     ["consumer_name", "producer_name", "tenant_id", "message_id"];
 
