@@ -50,6 +50,7 @@
 //! | `SCALE_PURGE_CONCURRENCY` | 8 | requests in flight during `purge` |
 //! | `SCALE_PURGE_BASE_SECS` | 10 | seconds of load without the purge, before and after it |
 //! | `SCALE_PURGE_BATCH` | 200 | the purger's batch size (its default) |
+//! | `SCALE_PURGE_PAUSE_MS` | 20 | the purger's pause between batches (its default) |
 //! | `SCALE_ONE_KEY` | 64 | concurrent requests of `one-key` |
 //! | `SCALE_ONE_KEY_TRIALS` | 20 | trials of `one-key` |
 //! | `SCALE_HOLD_REQUESTS` | 2000 | requests per case, mode and round (`hold`) |
@@ -114,6 +115,7 @@ struct Config {
     purge_concurrency: u32,
     purge_base: Duration,
     purge_batch: u32,
+    purge_pause: Duration,
     one_key: u32,
     one_key_trials: u32,
     hold_requests: u64,
@@ -152,6 +154,7 @@ impl Config {
             purge_concurrency: env_num("SCALE_PURGE_CONCURRENCY", 8, 1)?,
             purge_base: Duration::from_secs(purge_base),
             purge_batch: env_num("SCALE_PURGE_BATCH", 200, 1)?,
+            purge_pause: Duration::from_millis(env_num("SCALE_PURGE_PAUSE_MS", 20, 0)?),
             one_key: env_num("SCALE_ONE_KEY", 64, 2)?,
             one_key_trials: env_num("SCALE_ONE_KEY_TRIALS", 20, 1)?,
             hold_requests: env_num("SCALE_HOLD_REQUESTS", 2000, 1)?,
@@ -629,6 +632,7 @@ async fn purge(config: &Config, db: &Database) -> Result<(), BoxError> {
     let purger = Purger::builder(pool.clone())
         .inbox(policy)
         .batch_size(config.purge_batch)
+        .pause_between_batches(config.purge_pause)
         .build()?;
     let mut next = 0;
     let mut load = |count: u64| {
@@ -637,7 +641,12 @@ async fn purge(config: &Config, db: &Database) -> Result<(), BoxError> {
         feed
     };
 
-    println!("\n## purge: first-seen latency at {workers} in flight while {} expired rows are purged (batches of {})", config.purge_rows, config.purge_batch);
+    println!(
+        "\n## purge: first-seen latency at {workers} in flight while {} expired rows are purged (batches of {}, {} ms apart)",
+        config.purge_rows,
+        config.purge_batch,
+        config.purge_pause.as_millis()
+    );
     println!(
         "{:>5}  {:>9}  {:>9}  {:>9}  {:>9}  {:>8}  {:>8}  {:>10}  {:>10}",
         "round",

@@ -53,7 +53,8 @@
 //! no response within `--timeout`); each route's throughput per phase; its responses by status
 //! and how many were replayed; then the ratios **layered / baseline**: throughput (layered
 //! req/s ÷ baseline req/s), p50 and p99, and the p99 of each layered kind against the
-//! baseline's. `--json` prints the same as one JSON object instead. The first distinct
+//! baseline's, and the throughput ratio of each round (its layered phase over its baseline
+//! phase). `--json` prints the same as one JSON object instead. The first distinct
 //! mismatches and errors are printed with their key and the start of the body. Latencies are
 //! recorded for every response, expected or not; a transport error has none, and its
 //! connection is closed and opened again.
@@ -69,6 +70,14 @@
 //!
 //! ```sh
 //! benches/http.sh --routes layered --rounds 1 --requests 1000000 --report-every 10
+//! ```
+//!
+//! On a shared machine the intervals swing with other load. Many short interleaved rounds of
+//! both routes give a measure that does not: the throughput ratio of each round, and its first
+//! fifth of the rounds against its last fifth. A trend in that ratio is the layer's own:
+//!
+//! ```sh
+//! benches/http.sh --rounds 30 --duration 10
 //! ```
 //!
 //! Exit status: 0 when every response was the expected one; 3 when the run completed but saw
@@ -1391,6 +1400,23 @@ struct Ratios {
     p50: f64,
     p99: f64,
     p99_by_kind: Vec<(Kind, f64)>,
+    /// Each round's layered phase over the baseline phase just before it: machine noise that
+    /// hits both cancels out, so a trend here is the layer's own (over uptime, say).
+    by_round: Vec<f64>,
+}
+
+impl Ratios {
+    /// The mean of the first and of the last fifth of [`by_round`](Self::by_round) (at least
+    /// one round each), once there are two rounds.
+    fn first_and_last(&self) -> Option<(f64, f64)> {
+        let n = self.by_round.len();
+        if n < 2 {
+            return None;
+        }
+        let k = (n / 5).max(1);
+        let mean = |r: &[f64]| r.iter().sum::<f64>() / r.len() as f64;
+        Some((mean(&self.by_round[..k]), mean(&self.by_round[n - k..])))
+    }
 }
 
 fn ratios(figures: &[RouteFigures<'_>]) -> Option<Ratios> {
@@ -1405,6 +1431,12 @@ fn ratios(figures: &[RouteFigures<'_>]) -> Option<Ratios> {
             .kinds
             .iter()
             .map(|(k, f)| (*k, ratio(f.p99_us as f64, baseline.all.p99_us as f64)))
+            .collect(),
+        by_round: layered
+            .phase_rates()
+            .into_iter()
+            .zip(baseline.phase_rates())
+            .map(|(l, b)| ratio(l, b))
             .collect(),
     })
 }
@@ -1516,6 +1548,18 @@ fn print_text(args: &Args, run_id: &str, figures: &[RouteFigures<'_>], runtime: 
             r.p99,
             by_kind.join(", ")
         );
+        let rounds: Vec<String> = r.by_round.iter().map(|v| format!("{v:.2}")).collect();
+        print!(
+            "layered / baseline throughput by round: {}",
+            rounds.join(" ")
+        );
+        if let Some((first, last)) = r.first_and_last() {
+            print!(
+                "; first fifth of the rounds {first:.2}x, last fifth {last:.2}x (last / first {:.2})",
+                last / first
+            );
+        }
+        println!();
     }
     println!();
     for route in figures {
@@ -1592,11 +1636,15 @@ fn report_json(args: &Args, run_id: &str, figures: &[RouteFigures<'_>], runtime:
             .iter()
             .map(|(k, v)| (k.name().to_owned(), json!(v)))
             .collect();
+        let (first, last) = r.first_and_last().unzip();
         json!({
             "throughput": r.throughput,
             "p50": r.p50,
             "p99": r.p99,
             "p99_by_layered_kind": by_kind,
+            "throughput_by_round": r.by_round,
+            "throughput_first_fifth_of_rounds": first,
+            "throughput_last_fifth_of_rounds": last,
         })
     });
     json!({

@@ -690,6 +690,39 @@ async fn a_dry_run_reports_what_a_purge_deletes_and_deletes_nothing() {
 }
 
 #[tokio::test]
+async fn a_backlog_is_deleted_in_paced_batches() {
+    const PAUSE: Duration = Duration::from_millis(150);
+    let app = TestApp::new().await;
+    insert_processed(&app, "old", 30, OLD).await;
+    let paced = Purger::builder(app.pool.clone())
+        .inbox(inbox_policy())
+        .batch_size(10)
+        .pause_between_batches(PAUSE)
+        .build()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let report = paced.purge().await.unwrap();
+    let took = started.elapsed();
+    let inbox = report.table(PurgedTable::ConsumerInbox).unwrap();
+    // Three full batches, then an empty one that ends the pass.
+    assert_eq!((inbox.rows, inbox.batches), (30, 4));
+    // A pause follows each full batch; sleeps never end early, so this lower bound holds on
+    // any machine, and without the pauses the pass takes a few milliseconds.
+    assert!(took >= PAUSE * 3, "took {took:?}, less than three pauses");
+
+    // Without a pause the same backlog goes the same way.
+    insert_processed(&app, "again", 30, OLD).await;
+    let unpaced = Purger::builder(app.pool.clone())
+        .inbox(inbox_policy())
+        .batch_size(10)
+        .pause_between_batches(Duration::ZERO)
+        .build()
+        .unwrap();
+    let report = unpaced.purge().await.unwrap();
+    assert_eq!(report.rows(PurgedTable::ConsumerInbox), 30);
+}
+
+#[tokio::test]
 async fn in_flight_and_recently_processed_rows_are_kept() {
     let app = TestApp::new().await;
     let inbox = Inbox::new(app.pool.clone());
@@ -1445,6 +1478,14 @@ async fn storage_budgets_and_purge_settings_that_would_break_retention_are_refus
             Purger::builder(pool.clone())
                 .inbox(inbox_policy())
                 .batch_size(0)
+        ),
+        RetentionError::BadLimit(_)
+    ));
+    assert!(matches!(
+        refused(
+            Purger::builder(pool.clone())
+                .inbox(inbox_policy())
+                .pause_between_batches(Duration::from_secs(61))
         ),
         RetentionError::BadLimit(_)
     ));

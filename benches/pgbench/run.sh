@@ -18,9 +18,11 @@
 #   REPLAY_ROWS      recorded rows replay.sql and claim_duplicate.sql read from (default 100000)
 #   SCRIPTS          which scripts, in order (default: bare claim_first claim_at_commit replay
 #                    claim_duplicate bare@simple layer_first_seen@simple
-#                    layer_at_commit@simple). A script runs with -M prepared, or with the
-#                    mode after its @: the layer_* scripts join statements into one message,
-#                    which only -M simple allows, and their ratio is to bare@simple.
+#                    layer_at_commit@simple lean_first_seen@simple). A script runs with
+#                    -M prepared, or with the mode after its @: the layer_* scripts join
+#                    statements into one message, which only -M simple allows, and their
+#                    ratio is to bare@simple. lean_first_seen is a bound, not a protocol:
+#                    layer_first_seen without its PL/pgSQL (see the script).
 #
 # It drops and recreates the database tower_inbox_pgbench, applies the crate's migrations
 # and the example's schema (examples/credits/schema.sql) with psql, and before every run
@@ -36,7 +38,7 @@ threads="${THREADS:-2}"
 duration="${DURATION:-20}"
 single_duration="${SINGLE_DURATION:-5}"
 replay_rows="${REPLAY_ROWS:-100000}"
-read -r -a scripts <<<"${SCRIPTS:-bare claim_first claim_at_commit replay claim_duplicate bare@simple layer_first_seen@simple layer_at_commit@simple}"
+read -r -a scripts <<<"${SCRIPTS:-bare claim_first claim_at_commit replay claim_duplicate bare@simple layer_first_seen@simple layer_at_commit@simple lean_first_seen@simple}"
 
 for tool in psql pgbench; do
     command -v "$tool" >/dev/null || { echo "run.sh: $tool is not on PATH" >&2; exit 1; }

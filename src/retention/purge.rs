@@ -220,6 +220,7 @@ pub struct Purger {
     targets: Vec<Target>,
     batch_size: i64,
     lock_timeout: String,
+    pause: Duration,
 }
 
 /// Configures a [`Purger`].
@@ -232,16 +233,21 @@ pub struct PurgerBuilder {
     quarantine: Option<Duration>,
     batch_size: u32,
     lock_timeout: Duration,
+    pause: Duration,
 }
 
 /// The largest batch accepted: batches must stay short.
 const MAX_BATCH: u32 = 10_000;
 /// The longest lock wait accepted.
 const MAX_LOCK_TIMEOUT: Duration = Duration::from_secs(60);
+/// The longest pause between batches accepted.
+const MAX_PAUSE: Duration = Duration::from_secs(60);
+/// The default pause between batches.
+const DEFAULT_PAUSE: Duration = Duration::from_millis(20);
 
 impl Purger {
     /// A purger over `pool` with no policy yet. Defaults: batches of 200 rows, a lock
-    /// timeout of one second.
+    /// timeout of one second, a pause of 20 ms between batches.
     pub fn builder(pool: PgPool) -> PurgerBuilder {
         PurgerBuilder {
             pool,
@@ -250,6 +256,7 @@ impl Purger {
             quarantine: None,
             batch_size: 200,
             lock_timeout: Duration::from_secs(1),
+            pause: DEFAULT_PAUSE,
         }
     }
 }
@@ -294,6 +301,18 @@ impl PurgerBuilder {
         self
     }
 
+    /// How long to wait after a full batch before the next one (default 20 ms, at most
+    /// 60 s; zero for none). The pause holds no connection and no lock: it leaves the
+    /// database to the requests. A backlog (the first purge of a large inbox, or one after
+    /// an outage) is then deleted at a bounded rate instead of as fast as the server can,
+    /// which on a small server shows in every request's latency. The rate is at most
+    /// `batch_size` rows per (pause + one batch's time); a steady purge has to keep up with
+    /// the rows arriving, so raise the batch size, or lower the pause, for high rates.
+    pub fn pause_between_batches(mut self, pause: Duration) -> Self {
+        self.pause = pause;
+        self
+    }
+
     /// Checks the settings.
     pub fn build(self) -> Result<Purger, RetentionError> {
         if self.batch_size == 0 || self.batch_size > MAX_BATCH {
@@ -304,6 +323,11 @@ impl PurgerBuilder {
         if self.lock_timeout > MAX_LOCK_TIMEOUT {
             return Err(RetentionError::BadLimit(
                 "the lock timeout must be at most 60 s",
+            ));
+        }
+        if self.pause > MAX_PAUSE {
+            return Err(RetentionError::BadLimit(
+                "the pause between batches must be at most 60 s",
             ));
         }
         let mut targets = Vec::new();
@@ -343,6 +367,7 @@ impl PurgerBuilder {
             targets,
             batch_size: i64::from(self.batch_size),
             lock_timeout: format!("{}ms", self.lock_timeout.as_millis().max(1)),
+            pause: self.pause,
         })
     }
 }
@@ -472,6 +497,9 @@ impl Purger {
                 // someone else right now: either way, the next run takes it.
                 if rows < self.batch_size.unsigned_abs() {
                     break;
+                }
+                if !self.pause.is_zero() {
+                    tokio::time::sleep(self.pause).await;
                 }
             }
         }
