@@ -11,9 +11,12 @@
 #   benches/profile.sh layered 10      # the same credit through the layer
 #   CREDITS_CLAIM_AT_COMMIT=1 benches/profile.sh layered 10
 #
-# Needs perf (with permission to sample every CPU: root, or kernel.perf_event_paranoid <= -1)
-# and python3; PostgreSQL as the example finds it (DATABASE_URL or the local default). Run the
-# two routes one after the other and compare: on a shared machine, repeat both.
+# Needs perf (with permission to sample every CPU: root, CAP_PERFMON, or
+# kernel.perf_event_paranoid <= 0) and python3; PostgreSQL as the example finds it
+# (DATABASE_URL or the local default). The service and the load generator are counted by
+# their process ids; PostgreSQL is every process named `postgres` (its background writers
+# included, which the load keeps busy too), so run it with nothing else using the server.
+# Run the two routes one after the other and compare: on a shared machine, repeat both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,14 +34,26 @@ cargo build --release --example credits --example loadgen
 target_dir="${CARGO_TARGET_DIR:-target}"
 work="$(mktemp -d "${TMPDIR:-/tmp}/tower-inbox-profile.XXXXXX")"
 server_pid=""
+load_pid=""
+# Ctrl-C's signal first (the service shuts down gracefully on it once it listens), then KILL.
+stop() {
+    local pid="$1"
+    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0
+    kill -INT "$pid" 2>/dev/null || true
+    for _ in $(seq 1 50); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+}
 cleanup() {
-    if [ -n "$server_pid" ]; then
-        kill -INT "$server_pid" 2>/dev/null || true
-        wait "$server_pid" 2>/dev/null || true
-    fi
+    stop "$load_pid"
+    stop "$server_pid"
     rm -rf "$work"
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM
 
 CREDITS_BASELINE_ROUTE=1 BIND_ADDR=127.0.0.1:0 NO_COLOR=1 RUST_LOG=warn,credits=info \
     "$target_dir/release/examples/credits" >"$work/server.log" 2>&1 &
@@ -58,15 +73,32 @@ done
     --warmup 2 --duration "$((seconds + 6))" --json >"$work/load.json" &
 load_pid=$!
 sleep 5
-perf record -a -g -F 999 -o "$work/perf.data" -- sleep "$seconds" >/dev/null 2>&1
-wait "$load_pid"
-perf script -i "$work/perf.data" -F comm,ip,sym 2>/dev/null >"$work/perf.txt"
+if ! perf record -a -g -F 999 -o "$work/perf.data" -- sleep "$seconds" >"$work/perf.log" 2>&1; then
+    cat "$work/perf.log" >&2
+    echo "profile.sh: perf record failed" >&2
+    exit 1
+fi
+# Exit status 3: the run completed with mismatches or transport errors; the figures stand.
+status=0
+wait "$load_pid" || status=$?
+load_pid=""
+if [ "$status" -eq 3 ]; then
+    echo "profile.sh: the load generator saw mismatches or transport errors" >&2
+elif [ "$status" -ne 0 ]; then
+    echo "profile.sh: the load generator failed (exit status $status)" >&2
+    exit 1
+fi
+perf script --no-inline -i "$work/perf.data" -F comm,pid,ip,sym 2>/dev/null >"$work/perf.txt"
 
-python3 - "$work/perf.txt" "$work/load.json" "$route" "$seconds" <<'PY'
+python3 - "$work/perf.txt" "$work/load.json" "$route" "$seconds" "$server_pid" <<'PY'
 import collections, json, sys
 
-perf, load, route, seconds = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
-rate = json.load(open(load))["routes"][route]["all"]["per_second"]
+perf, load, route = sys.argv[1], sys.argv[2], sys.argv[3]
+seconds, server_pid = float(sys.argv[4]), sys.argv[5]
+report = json.load(open(load))
+rate = report["routes"][route]["all"]["per_second"]
+if rate <= 0:
+    sys.exit("profile.sh: no request was answered")
 requests = rate * seconds
 period_us = 1e6 / 999
 
@@ -77,31 +109,46 @@ groups = [
      ["pg_parse_query", "pg_analyze_and_rewrite_fixedparams", "pg_plan_queries"]),
     ("executor start", ["standard_ExecutorStart"]),
     ("executor run", ["standard_ExecutorRun"]),
+    ("  heap and index writes", ["heap_insert", "heap_update", "_bt_doinsert"]),
+    ("  foreign-key checks", ["SPI_execute_snapshot"]),
     ("commit (WAL flush included)", ["CommitTransactionCommand"]),
     ("  WAL flush", ["XLogFlush"]),
-    ("foreign-key checks", ["SPI_execute_snapshot"]),
     ("waiting for and reading the next message", ["pq_getbyte"]),
     ("utility statements (BEGIN, COMMIT text, SET)", ["standard_ProcessUtility"]),
 ]
 
-by_comm = collections.Counter()
+by_who = collections.Counter()
 by_group = collections.Counter()
-comm, stack = None, []
+who, stack = None, []
 
 def flush():
-    if comm is None:
+    if who is None:
         return
-    by_comm[comm] += 1
-    if comm == "postgres":
+    by_who[who] += 1
+    if who == "PostgreSQL":
         names = set(stack)
         for label, frames in groups:
             if names.intersection(frames):
                 by_group[label] += 1
 
+def process(header):
+    # "comm pid": the command name may contain spaces, the pid is the last field.
+    fields = header.split()
+    if len(fields) < 2:
+        return None
+    comm, pid = " ".join(fields[:-1]), fields[-1]
+    if pid == server_pid:
+        return "the service"
+    if comm == "loadgen":
+        return "the load generator"
+    if comm == "postgres":
+        return "PostgreSQL"
+    return "anything else"
+
 for line in open(perf):
     if line and not line[0].isspace():
         flush()
-        comm, stack = line.split()[0] if line.strip() else None, []
+        who, stack = process(line), []
     elif line.strip():
         parts = line.strip().split(None, 1)
         if len(parts) == 2:
@@ -110,8 +157,8 @@ flush()
 
 us = lambda n: n * period_us / requests
 print(f"{route}: {rate:.0f} req/s over {seconds:.0f} s of samples; microseconds of CPU per request")
-for name, n in by_comm.most_common(6):
-    print(f"  {name:<58} {us(n):7.0f}")
+for name in ["the service", "PostgreSQL", "the load generator", "anything else"]:
+    print(f"  {name:<58} {us(by_who[name]):7.0f}")
 print("  inside PostgreSQL:")
 for label, _ in groups:
     print(f"    {label:<56} {us(by_group[label]):7.0f}")

@@ -903,7 +903,8 @@ fn replayed_note(replayed: bool) -> &'static str {
 /// One phase's figures.
 #[derive(Clone, Copy)]
 struct Phase {
-    requests: u64,
+    /// Responses received (transport errors not counted), like the route's throughput.
+    responses: u64,
     elapsed: Duration,
     /// The load generator's own CPU time during the phase, where the platform tells it.
     cpu: Option<Duration>,
@@ -915,7 +916,7 @@ async fn run_phase(
     slots: Vec<Slot>,
     limit: Limit,
 ) -> Result<(Vec<Slot>, Phase), String> {
-    let before: u64 = slots.iter().map(|s| s.stats.requests()).sum();
+    let before: u64 = slots.iter().map(|s| s.stats.responses()).sum();
     // Connect first, so that the phase measures requests, not handshakes. A connection that
     // fails here is retried (and counted) by its task.
     let mut senders = Vec::with_capacity(slots.len());
@@ -944,11 +945,11 @@ async fn run_phase(
     let cpu = cpu_time()
         .zip(cpu_before)
         .map(|(after, before)| after.saturating_sub(before));
-    let after: u64 = slots.iter().map(|s| s.stats.requests()).sum();
+    let after: u64 = slots.iter().map(|s| s.stats.responses()).sum();
     Ok((
         slots,
         Phase {
-            requests: after - before,
+            responses: after - before,
             elapsed,
             cpu,
         },
@@ -1381,7 +1382,7 @@ impl<'a> RouteFigures<'a> {
         self.report
             .phases
             .iter()
-            .map(|p| p.requests as f64 / p.elapsed.as_secs_f64().max(f64::EPSILON))
+            .map(|p| p.responses as f64 / p.elapsed.as_secs_f64().max(f64::EPSILON))
             .collect()
     }
 
@@ -1407,7 +1408,7 @@ struct Ratios {
 
 impl Ratios {
     /// The mean of the first and of the last fifth of [`by_round`](Self::by_round) (at least
-    /// one round each), once there are two rounds.
+    /// one round each, `rounds / 5` rounded down otherwise), once there are two rounds.
     fn first_and_last(&self) -> Option<(f64, f64)> {
         let n = self.by_round.len();
         if n < 2 {
@@ -1555,9 +1556,11 @@ fn print_text(args: &Args, run_id: &str, figures: &[RouteFigures<'_>], runtime: 
         );
         if let Some((first, last)) = r.first_and_last() {
             print!(
-                "; first fifth of the rounds {first:.2}x, last fifth {last:.2}x (last / first {:.2})",
-                last / first
+                "; mean of the first fifth of the rounds {first:.2}x, of the last fifth {last:.2}x"
             );
+            if first > 0.0 {
+                print!(" (last / first {:.2})", last / first);
+            }
         }
         println!();
     }

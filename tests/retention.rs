@@ -719,7 +719,23 @@ async fn a_backlog_is_deleted_in_paced_batches() {
         .build()
         .unwrap();
     let report = unpaced.purge().await.unwrap();
-    assert_eq!(report.rows(PurgedTable::ConsumerInbox), 30);
+    let inbox = report.table(PurgedTable::ConsumerInbox).unwrap();
+    assert_eq!((inbox.rows, inbox.batches), (30, 4));
+
+    // Only a full batch is followed by a pause: fewer rows than a batch, and the pass ends
+    // without one (a pause there would take the whole minute).
+    insert_processed(&app, "few", 5, OLD).await;
+    let slow = Purger::builder(app.pool.clone())
+        .inbox(inbox_policy())
+        .batch_size(10)
+        .pause_between_batches(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let report = tokio::time::timeout(Duration::from_secs(30), slow.purge())
+        .await
+        .expect("a pass with one short batch does not pause")
+        .unwrap();
+    assert_eq!(report.rows(PurgedTable::ConsumerInbox), 5);
 }
 
 #[tokio::test]

@@ -1,11 +1,11 @@
 -- A bound, not a protocol: layer_first_seen.sql's messages with the two PL/pgSQL calls
 -- replaced by the bare statements inside them, an INSERT ... ON CONFLICT DO NOTHING for the
 -- claim and the UPDATE that records the response. What is left out is what makes the claim
--- correct and safe: raising when the key is taken (a simple query sent as the BEGIN returns no
--- rows, so an error is the only answer the layer can read), the bounded wait for an
--- in-flight original (lock_timeout, set and restored), the check that the claimed row is
--- there before COMMIT, and the quarantine recovery. The difference between the two scripts is
--- what those cost. Run with -M simple (the `@simple` in SCRIPTS), like the layer_* scripts.
+-- and the record correct and safe: raising when the key is taken (a simple query sent as the
+-- BEGIN returns no rows, so an error is the only answer the layer can read), the bounded wait
+-- for an in-flight original (lock_timeout, set and restored), the check that the claimed row
+-- is there before COMMIT; and, with the record, the quarantine recovery. The difference
+-- between the two scripts is what those cost. Run with -M simple (the `@simple` in SCRIPTS), like the layer_* scripts.
 \set aid random(0, 9999)
 \set key :client_id * 100000000000000 + random(0, 99999999999999)
 BEGIN ISOLATION LEVEL READ COMMITTED \; insert into consumer_inbox (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version) values (E'credits', E'bench', E'', E'k:key', E'2f0c6a7a3ac4b3b35e0c8c4e1b7d3f4a9a1e5c2d6b8f0e1a2c3d4e5f6a7b8c9d', E'1') on conflict do nothing;
