@@ -23,50 +23,21 @@ if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
 fi
 
 cargo build --release --example credits --example loadgen
-target_dir="${CARGO_TARGET_DIR:-target}"
-server="$target_dir/release/examples/credits"
-loadgen="$target_dir/release/examples/loadgen"
+loadgen="${CARGO_TARGET_DIR:-target}/release/examples/loadgen"
+# shellcheck source=benches/support/credits.sh
+source benches/support/credits.sh
 
 log="$(mktemp "${TMPDIR:-/tmp}/tower-inbox-credits.XXXXXX")"
 server_pid=""
 stop_server() {
-    if [ -n "$server_pid" ] && kill -0 "$server_pid" 2>/dev/null; then
-        kill -INT "$server_pid" 2>/dev/null || true # graceful shutdown on Ctrl-C's signal
-        for _ in $(seq 1 50); do
-            kill -0 "$server_pid" 2>/dev/null || break
-            sleep 0.1
-        done
-        kill -KILL "$server_pid" 2>/dev/null || true
-        wait "$server_pid" 2>/dev/null || true
-    fi
+    stop_pid "$server_pid"
     rm -f "$log"
 }
 trap stop_server EXIT
 trap 'exit 130' INT TERM
 
 # Port 0: the kernel picks a free port, and the service logs the address it got.
-CREDITS_BASELINE_ROUTE=1 BIND_ADDR=127.0.0.1:0 NO_COLOR=1 RUST_LOG="${RUST_LOG:-warn,credits=info}" \
-    "$server" >"$log" 2>&1 &
-server_pid=$!
-
-# The first start may run migrations or start a throwaway PostgreSQL: give it two minutes.
-address=""
-for _ in $(seq 1 1200); do
-    address="$(sed 's/\x1b\[[0-9;]*m//g' "$log" \
-        | sed -n 's/.*credits service listening.*address=\([0-9.]*:[0-9]*\).*/\1/p' | head -n 1)"
-    [ -n "$address" ] && break
-    if ! kill -0 "$server_pid" 2>/dev/null; then
-        echo "http.sh: the credits service exited before listening; its log:" >&2
-        cat "$log" >&2
-        exit 1
-    fi
-    sleep 0.1
-done
-if [ -z "$address" ]; then
-    echo "http.sh: the credits service did not listen within two minutes; its log:" >&2
-    cat "$log" >&2
-    exit 1
-fi
+credits_start "$log"
 echo "http.sh: credits service (pid $server_pid) listening on $address" >&2
 
 # The service's pid for the memory figures, only when intervals are asked for (clap refuses

@@ -32,41 +32,20 @@ done
 
 cargo build --release --example credits --example loadgen
 target_dir="${CARGO_TARGET_DIR:-target}"
+# shellcheck source=benches/support/credits.sh
+source benches/support/credits.sh
 work="$(mktemp -d "${TMPDIR:-/tmp}/tower-inbox-profile.XXXXXX")"
 server_pid=""
 load_pid=""
-# Ctrl-C's signal first (the service shuts down gracefully on it once it listens), then KILL.
-stop() {
-    local pid="$1"
-    [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null || return 0
-    kill -INT "$pid" 2>/dev/null || true
-    for _ in $(seq 1 50); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
-    done
-    kill -KILL "$pid" 2>/dev/null || true
-    wait "$pid" 2>/dev/null || true
-}
 cleanup() {
-    stop "$load_pid"
-    stop "$server_pid"
+    stop_pid "$load_pid"
+    stop_pid "$server_pid"
     rm -rf "$work"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-CREDITS_BASELINE_ROUTE=1 BIND_ADDR=127.0.0.1:0 NO_COLOR=1 RUST_LOG=warn,credits=info \
-    "$target_dir/release/examples/credits" >"$work/server.log" 2>&1 &
-server_pid=$!
-address=""
-for _ in $(seq 1 1200); do
-    address="$(sed -n 's/.*credits service listening.*address=\([0-9.]*:[0-9]*\).*/\1/p' \
-        "$work/server.log" | head -n 1)"
-    [ -n "$address" ] && break
-    kill -0 "$server_pid" 2>/dev/null || { cat "$work/server.log" >&2; exit 1; }
-    sleep 0.1
-done
-[ -n "$address" ] || { echo "profile.sh: the service did not start" >&2; exit 1; }
+credits_start "$work/server.log"
 
 # The load runs 3 s longer than the sampling on each side, so every sample sees steady load.
 "$target_dir/release/examples/loadgen" --url "http://$address" --routes "$route" --rounds 1 \
