@@ -203,7 +203,10 @@ const QUARANTINE: &[Statement] = &[Statement {
 ///     .dead_letter_redrive(14 * DAY)
 ///     .safety_margin(DAY)
 ///     .build()?;
-/// let purger = Purger::builder(pool).inbox(inbox).build()?;
+/// let purger = Purger::builder(pool)
+///     .inbox(inbox)
+///     .pause_between_batches(Duration::from_millis(50)) // gentler than the 20 ms default
+///     .build()?;
 /// println!("{}", purger.dry_run().await?); // what it would delete, per table
 /// let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
 /// let task = tokio::spawn(purger.run(Duration::from_secs(600), async {
