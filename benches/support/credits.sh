@@ -1,14 +1,14 @@
 # Sourced by benches/http.sh and benches/profile.sh: starts the credits example (release build)
 # with its baseline route on a free port, and stops processes. Bash, with `set -euo pipefail`.
 #
-#   credits_start LOG [VAR=value ...]   sets server_pid and address, or exits 1 with the log
-#   stop_pid PID                        Ctrl-C's signal, up to 5 s, then KILL; no-op if gone
+#   credits_start LOG   sets server_pid and address, or exits 1 with the log (the service's
+#                       CREDITS_* settings come from the environment)
+#   stop_pid PID        Ctrl-C's signal, up to 5 s, then KILL; no-op if gone
 
 credits_start() {
     local log="$1" name
-    shift
     name="$(basename "$0")"
-    env "$@" CREDITS_BASELINE_ROUTE=1 BIND_ADDR=127.0.0.1:0 NO_COLOR=1 \
+    CREDITS_BASELINE_ROUTE=1 BIND_ADDR=127.0.0.1:0 NO_COLOR=1 \
         RUST_LOG="${RUST_LOG:-warn,credits=info}" \
         "${CARGO_TARGET_DIR:-target}/release/examples/credits" >"$log" 2>&1 &
     server_pid=$!
