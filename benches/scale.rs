@@ -423,7 +423,7 @@ async fn fill_inbox(pool: &PgPool, rows: u64, age: Duration) -> Result<Duration,
     let started = Instant::now();
     if rows > 0 {
         sqlx::query(
-            "insert into consumer_inbox
+            "insert into tower_inbox.consumer_inbox
                  (consumer_name, producer_name, tenant_id, message_id, payload_sha256,
                   handler_version, received_at, processed_at, response_status,
                   response_header_names, response_header_values, response_body)

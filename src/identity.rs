@@ -8,6 +8,28 @@ use crate::key::MessageKey;
 /// The longest producer or tenant name accepted, in bytes.
 pub const MAX_SCOPE_LEN: usize = 255;
 
+/// The producer-name prefix of the claims a
+/// [compensated migration](crate::replay::CompensatedMigration) makes; [`Producer::new`]
+/// refuses it, so no client can claim (or read) a migration's steps.
+pub(crate) const RESERVED_PRODUCER_PREFIX: &str = "migration:";
+
+/// Whether `name` is a consumer name: 1 to 255 bytes of ASCII letters, digits and `-`, `_`,
+/// `.`, `:`, `/`, `@`. Consumer names are
+/// configuration, not input, and appear in metric labels and logs: a small alphabet keeps them
+/// readable and the same in every encoding.
+pub(crate) fn is_consumer_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 255
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:/@".contains(&b))
+}
+
+/// Whether `version` is a handler version: 1 to 255 visible ASCII characters (`!` to `~`).
+pub(crate) fn is_handler_version(version: &str) -> bool {
+    !version.is_empty() && version.len() <= 255 && version.bytes().all(|b| b.is_ascii_graphic())
+}
+
 /// The producer scope of a message: whose intent it carries. Message IDs from different
 /// producers may collide, so the producer is part of the identity; a recorded response is only
 /// ever replayed to the producer that caused it.
@@ -31,7 +53,9 @@ impl ProducerError {
 }
 
 impl Producer {
-    /// A producer scope with a name of 1 to [`MAX_SCOPE_LEN`] bytes and no control characters.
+    /// A producer scope with a name of 1 to [`MAX_SCOPE_LEN`] bytes and no control characters,
+    /// not starting with `migration:` (the prefix of a compensated migration's steps,
+    /// [`MIGRATION_PRODUCER_PREFIX`](crate::replay::MIGRATION_PRODUCER_PREFIX)).
     ///
     /// ```
     /// use tower_inbox::Producer;
@@ -39,9 +63,24 @@ impl Producer {
     /// assert_eq!(p.name(), "billing-service");
     /// assert_eq!(p.tenant(), Some("acme"));
     /// assert!(Producer::new("").is_err());
+    /// assert!(Producer::new("migration:bonus-fix").is_err());
     /// ```
     pub fn new(name: impl Into<String>) -> Result<Self, ProducerError> {
         let name = name.into();
+        check_scope_name("producer", &name)?;
+        if name.starts_with(RESERVED_PRODUCER_PREFIX) {
+            return Err(ProducerError(format!(
+                "producer names starting with '{RESERVED_PRODUCER_PREFIX}' are reserved for \
+                 compensated migrations"
+            )));
+        }
+        Ok(Self { name, tenant: None })
+    }
+
+    /// The producer a compensated migration's steps are claimed under:
+    /// `migration:<name>`.
+    pub(crate) fn migration(name: &str) -> Result<Self, ProducerError> {
+        let name = format!("{RESERVED_PRODUCER_PREFIX}{name}");
         check_scope_name("producer", &name)?;
         Ok(Self { name, tenant: None })
     }
@@ -92,15 +131,17 @@ fn check_scope_name(what: &str, name: &str) -> Result<(), ProducerError> {
 }
 
 /// Binds an identity's key columns `(consumer, producer, tenant, message ID)`, in primary-key
-/// order, to the query's next four parameters.
+/// order, to the query's next four parameters: the names as UTF-8 bytes, which the statements
+/// decode (`utf8!` in `inbox/sql.rs`), so no session's `client_encoding` can change them; the
+/// message ID, always visible ASCII, as text.
 macro_rules! bind_identity {
     ($query:expr, $identity:expr) => {{
         let [consumer, producer, tenant, message_id] =
             $crate::identity::MessageIdentity::key_parts($identity);
         $query
-            .bind(consumer)
-            .bind(producer)
-            .bind(tenant)
+            .bind(consumer.as_bytes())
+            .bind(producer.as_bytes())
+            .bind(tenant.as_bytes())
             .bind(message_id)
     }};
 }
@@ -150,9 +191,8 @@ impl MessageIdentity {
         &self.message_id
     }
 
-    /// The tenant as stored: `''` when the producer has none.
     /// The primary key's values, in its column order: consumer, producer, tenant column,
-    /// message ID. What the statements bind and the simple queries write as literals.
+    /// message ID.
     pub(crate) fn key_parts(&self) -> [&str; 4] {
         [
             self.consumer(),
@@ -162,6 +202,7 @@ impl MessageIdentity {
         ]
     }
 
+    /// The tenant as stored: `''` when the producer has none.
     pub(crate) fn tenant_column(&self) -> &str {
         self.producer.tenant().unwrap_or("")
     }

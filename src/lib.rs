@@ -68,20 +68,22 @@ pub mod quarantine;
 pub mod replay;
 pub mod retention;
 mod retry;
+mod schema;
 
 pub use cache::ReplayCache;
 pub use extract::InboxTx;
 pub use fingerprint::{CommandPayload, Fingerprint, FingerprintStrategy};
 pub use identity::{MessageIdentity, Producer, ProducerError, MAX_SCOPE_LEN};
 pub use inbox::{
-    migrate, Claim, ClaimMode, ClaimedMessage, Inbox, InboxEntry, InboxError, IsolationLevel,
-    RecordedResponse, RetryReason, MIGRATOR,
+    Claim, ClaimMode, ClaimedMessage, Inbox, InboxEntry, InboxError, IsolationLevel,
+    RecordedResponse, RetryReason,
 };
 pub use key::{KeyError, MessageKey, MAX_KEY_LEN};
 pub use middleware::{ConfigError, InboxLayer, InboxLayerBuilder, InboxService};
 pub use outcome::{Outcome, OutcomePolicy, DEFAULT_REJECTIONS};
 pub use producer::ProducerScope;
 pub use retry::TransientRetry;
+pub use schema::{migrate, migrate_schema, Schema, SchemaError, DEFAULT_SCHEMA, MIGRATOR};
 
 /// Compiles the README's code examples as doctests.
 #[doc = include_str!("../README.md")]

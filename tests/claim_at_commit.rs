@@ -176,13 +176,13 @@ async fn a_duplicate_of_an_in_flight_original_waits_then_replays_or_gets_409() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 
     // A duplicate whose commit meets an uncommitted claim waits for it, within the bound.
-    sqlx::query("truncate consumer_inbox, applied")
+    sqlx::query("truncate tower_inbox.consumer_inbox, applied")
         .execute(&app.pool)
         .await
         .unwrap();
     let mut holder = app.pool.begin().await.unwrap();
     sqlx::query(
-        "insert into consumer_inbox (consumer_name, producer_name, message_id, payload_sha256,
+        "insert into tower_inbox.consumer_inbox (consumer_name, producer_name, message_id, payload_sha256,
                                      handler_version)
          values ('at-commit', 'app', 'k', repeat('0', 64), '1')",
     )
@@ -281,7 +281,7 @@ async fn a_serialization_failure_at_the_claim_statement_reruns_the_handler() {
              end if;
              return new;
          end $$;
-         create trigger refuse_claims before insert on consumer_inbox
+         create trigger refuse_claims before insert on tower_inbox.consumer_inbox
              for each row execute function refuse_claims();",
     )
     .execute(&app.pool)

@@ -962,10 +962,12 @@ fn dispatcher(pool: &PgPool, max_attempts: u32) -> Dispatcher<HttpTransport> {
 
 /// Makes a retried effect due now instead of after its backoff.
 async fn make_due(pool: &PgPool) {
-    sqlx::query("update message_outbox set next_attempt_at = now() where status = 'pending'")
-        .execute(pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "update tower_inbox.message_outbox set next_attempt_at = now() where status = 'pending'",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
 }
 
 #[tokio::test]
@@ -1082,7 +1084,7 @@ async fn every_quarantine_item_a_delivery_recovers_is_counted() {
     }
     assert_eq!(d.dispatch_due().await.unwrap().delivered, 1);
     let recovered: i64 = sqlx::query_scalar(
-        "select count(*) from inbox_quarantine where source = 'dead-effect' and recovered_at is not null",
+        "select count(*) from tower_inbox.inbox_quarantine where source = 'dead-effect' and recovered_at is not null",
     )
     .fetch_one(&app.pool)
     .await
@@ -1099,7 +1101,7 @@ async fn every_quarantine_item_a_delivery_recovers_is_counted() {
 /// Inbox rows per consumer, counted directly.
 async fn inbox_rows_by_consumer(pool: &PgPool) -> BTreeMap<String, i64> {
     sqlx::query_as::<_, (String, i64)>(
-        "select consumer_name, count(*) from consumer_inbox group by consumer_name",
+        "select consumer_name, count(*) from tower_inbox.consumer_inbox group by consumer_name",
     )
     .fetch_all(pool)
     .await
@@ -1155,7 +1157,7 @@ async fn the_stats_task_sets_the_gauges_to_what_the_database_holds() {
     assert_eq!(reported, rows);
     let pending = count(
         &app.pool,
-        "select count(*) from message_outbox where status = 'pending'",
+        "select count(*) from tower_inbox.message_outbox where status = 'pending'",
     )
     .await;
     assert_eq!(pending, 1.0);
@@ -1163,7 +1165,7 @@ async fn the_stats_task_sets_the_gauges_to_what_the_database_holds() {
     assert!(stats.inbox_table_bytes > 0);
     let open = |source: &str| {
         format!(
-            "select count(*) from inbox_quarantine where decision is null and source = '{source}'"
+            "select count(*) from tower_inbox.inbox_quarantine where decision is null and source = '{source}'"
         )
     };
     let mut expected = BTreeMap::new();
@@ -1210,7 +1212,7 @@ async fn the_stats_task_sets_the_gauges_to_what_the_database_holds() {
 
     // stats-a's rows all go and the conflict is decided: the next collection sets them to
     // zero rather than leaving the last values behind.
-    sqlx::query("delete from consumer_inbox where consumer_name = 'stats-a'")
+    sqlx::query("delete from tower_inbox.consumer_inbox where consumer_name = 'stats-a'")
         .execute(&app.pool)
         .await
         .unwrap();

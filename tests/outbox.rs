@@ -296,7 +296,7 @@ async fn a_rolled_back_handler_leaves_no_outbox_row_and_conflicts_are_quarantine
                 .unwrap(),
         );
     let count = || async {
-        sqlx::query_scalar::<_, i64>("select count(*) from message_outbox")
+        sqlx::query_scalar::<_, i64>("select count(*) from tower_inbox.message_outbox")
             .fetch_one(&app.pool)
             .await
             .unwrap()
@@ -406,10 +406,11 @@ async fn the_credits_example_enqueues_one_webhook_per_command() {
             .status,
         StatusCode::CONFLICT
     );
-    let payloads: Vec<Vec<u8>> = sqlx::query_scalar("select payload from message_outbox")
-        .fetch_all(&app.pool)
-        .await
-        .unwrap();
+    let payloads: Vec<Vec<u8>> =
+        sqlx::query_scalar("select payload from tower_inbox.message_outbox")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
     assert_eq!(
         payloads.len(),
         1,
@@ -513,10 +514,11 @@ async fn shutdown_finishes_the_delivery_in_flight_and_releases_the_rest() {
             assert_eq!(entry.attempts, 0, "released unattempted");
         }
     }
-    let leased: i64 =
-        sqlx::query_scalar("select count(*) from message_outbox where lease_owner is not null")
-            .fetch_one(&app.pool)
-            .await
-            .unwrap();
+    let leased: i64 = sqlx::query_scalar(
+        "select count(*) from tower_inbox.message_outbox where lease_owner is not null",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
     assert_eq!(leased, 0);
 }

@@ -878,7 +878,7 @@ async fn a_database_without_the_migrations_answers_500_internal() {
 #[tokio::test]
 async fn a_failure_record_that_cannot_be_written_leaves_the_rollback_intact() {
     let app = TestApp::new().await;
-    sqlx::query("drop table consumer_inbox_failure")
+    sqlx::query("drop table tower_inbox.consumer_inbox_failure")
         .execute(&app.pool)
         .await
         .expect("drop");

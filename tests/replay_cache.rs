@@ -151,7 +151,7 @@ async fn the_cache_answers_duplicates_in_claim_at_commit_mode_before_the_handler
 /// Holds `EXCLUSIVE` on the inbox table: every write to it (a claim) waits, reads do not.
 async fn block_inbox_writes(app: &TestApp) -> sqlx::Transaction<'static, sqlx::Postgres> {
     let mut tx = app.pool.begin().await.unwrap();
-    sqlx::query("lock table consumer_inbox in exclusive mode")
+    sqlx::query("lock table tower_inbox.consumer_inbox in exclusive mode")
         .execute(&mut *tx)
         .await
         .unwrap();

@@ -37,7 +37,7 @@ type BoxError = Box<dyn Error + Send + Sync>;
 /// `(consumer_name, producer_name, handler_version, rows)` of the whole inbox.
 async fn inbox_groups(pool: &PgPool) -> Vec<(String, String, String, i64)> {
     sqlx::query_as(
-        "select consumer_name, producer_name, handler_version, count(*) from consumer_inbox
+        "select consumer_name, producer_name, handler_version, count(*) from tower_inbox.consumer_inbox
          group by 1, 2, 3 order by 1, 2, 3",
     )
     .fetch_all(pool)
@@ -758,7 +758,7 @@ async fn a_conflict_is_refused_even_when_the_quarantine_cannot_keep_it() {
         .apply_step(&steps[0], pay_bonus)
         .await
         .expect("apply");
-    sqlx::query("drop table inbox_quarantine")
+    sqlx::query("drop table tower_inbox.inbox_quarantine")
         .execute(&app.pool)
         .await
         .expect("drop");

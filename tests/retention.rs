@@ -124,7 +124,7 @@ async fn backdate(app: &TestApp, statement: &str, key: &str, age: Duration) {
 async fn age_inbox_row(app: &TestApp, key: &str, age: Duration) {
     backdate(
         app,
-        "update consumer_inbox
+        "update tower_inbox.consumer_inbox
          set received_at = now() - make_interval(secs => $2),
              processed_at = now() - make_interval(secs => $2) + interval '1 second'
          where message_id = $1",
@@ -137,7 +137,7 @@ async fn age_inbox_row(app: &TestApp, key: &str, age: Duration) {
 /// Inserts `n` processed inbox rows `prefix-1..n`, received and processed `age` ago.
 async fn insert_processed(app: &TestApp, prefix: &str, n: i32, age: Duration) {
     sqlx::query(
-        "insert into consumer_inbox
+        "insert into tower_inbox.consumer_inbox
              (consumer_name, producer_name, message_id, payload_sha256, handler_version,
               received_at, processed_at, response_status)
          select $1, 'payments', $2 || '-' || g, repeat('a', 64), 'v1',
@@ -169,7 +169,7 @@ async fn count(app: &TestApp, query: &str) -> i64 {
 
 async fn inbox_has(app: &TestApp, key: &str) -> bool {
     sqlx::query_scalar::<_, bool>(
-        "select exists (select 1 from consumer_inbox where message_id = $1)",
+        "select exists (select 1 from tower_inbox.consumer_inbox where message_id = $1)",
     )
     .bind(key)
     .fetch_one(&app.pool)
@@ -188,10 +188,14 @@ async fn ledger_for(app: &TestApp, key: &str) -> i64 {
 /// Rows per table, to show a dry run changed nothing.
 async fn table_counts(app: &TestApp) -> [i64; 4] {
     [
-        count(app, "select count(*) from consumer_inbox").await,
-        count(app, "select count(*) from consumer_inbox_failure").await,
-        count(app, "select count(*) from message_outbox").await,
-        count(app, "select count(*) from inbox_quarantine").await,
+        count(app, "select count(*) from tower_inbox.consumer_inbox").await,
+        count(
+            app,
+            "select count(*) from tower_inbox.consumer_inbox_failure",
+        )
+        .await,
+        count(app, "select count(*) from tower_inbox.message_outbox").await,
+        count(app, "select count(*) from tower_inbox.inbox_quarantine").await,
     ]
 }
 
@@ -353,7 +357,7 @@ async fn the_guard_answers_old_duplicates_conflicts_and_in_flight_originals_as_u
     assert_eq!(
         count(
             &app,
-            "select count(*) from inbox_quarantine where source = 'expired-message'"
+            "select count(*) from tower_inbox.inbox_quarantine where source = 'expired-message'"
         )
         .await,
         0,
@@ -440,7 +444,7 @@ async fn purge_under_concurrent_claims_loses_nothing_still_inside_the_window() {
     assert_eq!(
         count(
             &app,
-            "select count(*) from consumer_inbox where message_id like 'old-%'"
+            "select count(*) from tower_inbox.consumer_inbox where message_id like 'old-%'"
         )
         .await,
         0,
@@ -449,7 +453,7 @@ async fn purge_under_concurrent_claims_loses_nothing_still_inside_the_window() {
     assert_eq!(
         count(
             &app,
-            "select count(*) from consumer_inbox where message_id like 'in-%' and processed_at is not null"
+            "select count(*) from tower_inbox.consumer_inbox where message_id like 'in-%' and processed_at is not null"
         )
         .await,
         IN_WINDOW as i64,
@@ -459,7 +463,7 @@ async fn purge_under_concurrent_claims_loses_nothing_still_inside_the_window() {
     assert_eq!(
         count(
             &app,
-            "select count(*) from consumer_inbox where message_id like 'new-%' and processed_at is not null"
+            "select count(*) from tower_inbox.consumer_inbox where message_id like 'new-%' and processed_at is not null"
         )
         .await,
         new_keys as i64,
@@ -528,7 +532,7 @@ async fn dispatch(app: &TestApp, effects: &[(&str, &str)]) {
 /// The quarantine item about `key` from `source`.
 async fn item_id(app: &TestApp, source: &str, key: &str) -> i64 {
     sqlx::query_scalar(
-        "select id from inbox_quarantine where source = $1 and message_id = $2
+        "select id from tower_inbox.inbox_quarantine where source = $1 and message_id = $2
          order by id desc limit 1",
     )
     .bind(source)
@@ -550,7 +554,7 @@ async fn decide(app: &TestApp, id: i64, decision: Decision, age: Duration) {
 
 async fn age_decision(app: &TestApp, id: i64, age: Duration) {
     sqlx::query(
-        "update inbox_quarantine
+        "update tower_inbox.inbox_quarantine
          set decided_at = now() - make_interval(secs => $2),
              recovered_at = case when recovered_at is null then null
                                  else now() - make_interval(secs => $2) end
@@ -572,14 +576,14 @@ async fn item_exists(app: &TestApp, id: i64) -> bool {
 }
 
 async fn effect_status(app: &TestApp, key: &str) -> Option<String> {
-    sqlx::query_scalar("select status from message_outbox where message_id = $1")
+    sqlx::query_scalar("select status from tower_inbox.message_outbox where message_id = $1")
         .bind(key)
         .fetch_optional(&app.pool)
         .await
         .unwrap()
 }
 
-const AGE_DELIVERY: &str = "update message_outbox
+const AGE_DELIVERY: &str = "update tower_inbox.message_outbox
     set delivered_at = now() - make_interval(secs => $2),
         created_at = now() - make_interval(secs => $2)
     where message_id = $1";
@@ -596,7 +600,7 @@ async fn seed_every_table(app: &TestApp) -> [u64; 4] {
     for key in ["fail-old-1", "fail-old-2"] {
         backdate(
             app,
-            "update consumer_inbox_failure
+            "update tower_inbox.consumer_inbox_failure
              set first_failed_at = now() - make_interval(secs => $2),
                  last_failed_at = now() - make_interval(secs => $2)
              where message_id = $1",
@@ -744,7 +748,7 @@ async fn in_flight_and_recently_processed_rows_are_kept() {
     let inbox = Inbox::new(app.pool.clone());
     // Claimed long ago and never recorded (a consumer that records separately and died).
     sqlx::query(
-        "insert into consumer_inbox (consumer_name, producer_name, message_id, payload_sha256,
+        "insert into tower_inbox.consumer_inbox (consumer_name, producer_name, message_id, payload_sha256,
                                      handler_version, received_at)
          values ($1, 'payments', 'in-flight', repeat('b', 64), 'v1', now() - interval '30 days')",
     )
@@ -756,7 +760,7 @@ async fn in_flight_and_recently_processed_rows_are_kept() {
     process(&inbox, "late").await;
     backdate(
         &app,
-        "update consumer_inbox set received_at = now() - make_interval(secs => $2)
+        "update tower_inbox.consumer_inbox set received_at = now() - make_interval(secs => $2)
          where message_id = $1",
         "late",
         OLD,
@@ -780,7 +784,7 @@ async fn in_flight_and_recently_processed_rows_are_kept() {
     assert_eq!(
         count(
             &app,
-            "select count(*) from consumer_inbox where message_id like 'old-%'"
+            "select count(*) from tower_inbox.consumer_inbox where message_id like 'old-%'"
         )
         .await,
         0
@@ -839,7 +843,7 @@ async fn rows_an_open_quarantine_item_refers_to_are_kept_until_it_is_decided() {
     let failing = fail(&inbox, "failing", 1).await.expect("quarantined");
     backdate(
         &app,
-        "update consumer_inbox_failure set last_failed_at = now() - make_interval(secs => $2)
+        "update tower_inbox.consumer_inbox_failure set last_failed_at = now() - make_interval(secs => $2)
          where message_id = $1",
         "failing",
         OLD,
@@ -873,7 +877,7 @@ async fn failure_records_go_when_their_last_failure_is_past_the_window() {
     }
     backdate(
         &app,
-        "update consumer_inbox_failure
+        "update tower_inbox.consumer_inbox_failure
          set first_failed_at = now() - make_interval(secs => $2) - interval '1 day',
              last_failed_at = now() - make_interval(secs => $2)
          where message_id = $1",
@@ -885,7 +889,7 @@ async fn failure_records_go_when_their_last_failure_is_past_the_window() {
     fail(&inbox, "fresh", 100).await;
     backdate(
         &app,
-        "update consumer_inbox_failure set first_failed_at = now() - make_interval(secs => $2)
+        "update tower_inbox.consumer_inbox_failure set first_failed_at = now() - make_interval(secs => $2)
          where message_id = $1",
         "fresh",
         OLD,
@@ -929,7 +933,7 @@ async fn outbox_retention_deletes_delivered_and_discarded_effects_only() {
     tx.commit().await.unwrap();
     backdate(
         &app,
-        "update message_outbox set created_at = now() - make_interval(secs => $2),
+        "update tower_inbox.message_outbox set created_at = now() - make_interval(secs => $2),
                                    next_attempt_at = now() + interval '1 day'
          where message_id = $1",
         "pending-old",
@@ -946,11 +950,11 @@ async fn outbox_retention_deletes_delivered_and_discarded_effects_only() {
         decide(&app, id, Decision::Discard, age).await;
     }
     // Died again after its discard: a new open item a person has to see.
-    run_sql(&app, "insert into inbox_quarantine (source, item_key, consumer_name, producer_name, tenant_id,
+    run_sql(&app, "insert into tower_inbox.inbox_quarantine (source, item_key, consumer_name, producer_name, tenant_id,
                                        message_id, effect_id, payload_sha256, payload_ref, reason_code)
          select 'dead-effect', 'dead-effect:' || effect_id, consumer_name, producer_name, tenant_id,
                 message_id, effect_id, repeat('c', 64), 'message_outbox:' || effect_id, 'http-404'
-         from message_outbox where message_id = 'dead-reopened'").await;
+         from tower_inbox.message_outbox where message_id = 'dead-reopened'").await;
 
     let purger = Purger::builder(app.pool.clone())
         .outbox(inbox_policy())
@@ -975,7 +979,7 @@ async fn outbox_retention_deletes_delivered_and_discarded_effects_only() {
         );
     }
     assert_eq!(
-        count(&app, "select count(*) from inbox_quarantine").await,
+        count(&app, "select count(*) from tower_inbox.inbox_quarantine").await,
         5,
         "the outbox purge leaves the quarantine alone"
     );
@@ -996,14 +1000,14 @@ async fn quarantine_retention_keeps_open_items_and_repairs_awaiting_recovery() {
             .unwrap();
     }
     let conflicts: Vec<i64> = sqlx::query_scalar(
-        "select id from inbox_quarantine where source = 'identity-conflict' order by id",
+        "select id from tower_inbox.inbox_quarantine where source = 'identity-conflict' order by id",
     )
     .fetch_all(&app.pool)
     .await
     .unwrap();
     decide(&app, conflicts[0], Decision::Discard, OLD).await;
     sqlx::query(
-        "update inbox_quarantine set first_failed_at = now() - interval '30 days' where id = $1",
+        "update tower_inbox.inbox_quarantine set first_failed_at = now() - interval '30 days' where id = $1",
     )
     .bind(conflicts[1])
     .execute(&app.pool)
@@ -1228,7 +1232,7 @@ async fn the_background_task_logs_failures_and_keeps_going() {
     insert_processed(&app, "old", 1, OLD).await;
     run_sql(
         &app,
-        "alter table consumer_inbox rename to consumer_inbox_away",
+        "alter table tower_inbox.consumer_inbox rename to consumer_inbox_away",
     )
     .await;
     let (stop, task) = spawn_task(purger(&app), Duration::from_millis(50));
@@ -1239,7 +1243,7 @@ async fn the_background_task_logs_failures_and_keeps_going() {
     assert!(logs.text().contains("consumer_inbox"), "{}", logs.text());
     run_sql(
         &app,
-        "alter table consumer_inbox_away rename to consumer_inbox",
+        "alter table tower_inbox.consumer_inbox_away rename to consumer_inbox",
     )
     .await;
     eventually_purged(&app, "old-1", "a run after the failures purged").await;
@@ -1288,7 +1292,7 @@ async fn a_purge_gives_up_on_a_lock_it_cannot_get_soon() {
     let app = TestApp::new().await;
     insert_processed(&app, "old", 3, OLD).await;
     let mut blocker = app.pool.begin().await.unwrap();
-    sqlx::query("lock table consumer_inbox in access exclusive mode")
+    sqlx::query("lock table tower_inbox.consumer_inbox in access exclusive mode")
         .execute(&mut *blocker)
         .await
         .unwrap();
@@ -1309,7 +1313,10 @@ async fn a_purge_gives_up_on_a_lock_it_cannot_get_soon() {
     assert_eq!(db.code().as_deref(), Some("55P03"), "lock_not_available");
     blocker.rollback().await.unwrap();
 
-    assert_eq!(count(&app, "select count(*) from consumer_inbox").await, 3);
+    assert_eq!(
+        count(&app, "select count(*) from tower_inbox.consumer_inbox").await,
+        3
+    );
     assert_eq!(
         purger
             .purge()
@@ -1326,7 +1333,7 @@ async fn a_failed_quarantine_write_fails_the_guard_and_applies_nothing() {
     let guard = RetentionGuard::new(Inbox::new(app.pool.clone()), &inbox_policy());
     run_sql(
         &app,
-        "alter table inbox_quarantine rename to inbox_quarantine_away",
+        "alter table tower_inbox.inbox_quarantine rename to inbox_quarantine_away",
     )
     .await;
     let err = guarded(&guard, "ancient", ago(OLD)).await.unwrap_err();
@@ -1344,7 +1351,7 @@ async fn the_purge_span_names_table_cutoff_rows_and_dry_run_and_no_payload() {
     insert_processed(&app, "old", 2, OLD).await;
     run_sql(
         &app,
-        "update consumer_inbox set response_body = 'SECRET-PAYLOAD'",
+        "update tower_inbox.consumer_inbox set response_body = 'SECRET-PAYLOAD'",
     )
     .await;
     let purger = purger(&app);

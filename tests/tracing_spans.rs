@@ -159,7 +159,7 @@ async fn spans_carry_identity_and_outcome_and_never_the_payload() {
     .build()
     .unwrap();
     assert_eq!(dispatcher.dispatch_due().await.unwrap().delivered, 1);
-    let effect_id: String = sqlx::query_scalar("select effect_id from message_outbox")
+    let effect_id: String = sqlx::query_scalar("select effect_id from tower_inbox.message_outbox")
         .fetch_one(&app.pool)
         .await
         .unwrap();

@@ -157,7 +157,7 @@ async fn write_skew_under_serializable_is_rerun_and_each_command_commits_once() 
     assert_eq!(runs.load(Ordering::SeqCst), 3, "one of the two ran twice");
     for key in ["a", "b"] {
         assert_eq!(rows(&app, "on_call", key).await, 1, "{key} applied once");
-        assert_eq!(rows(&app, "consumer_inbox", key).await, 1);
+        assert_eq!(rows(&app, "tower_inbox.consumer_inbox", key).await, 1);
     }
     // The re-run saw the other's committed row: serial order restored.
     let seen: Vec<i32> = sqlx::query_scalar("select doctor from on_call order by doctor")

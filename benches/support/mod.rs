@@ -105,8 +105,8 @@ pub async fn prepare(pool: &PgPool, bench: &str) -> Result<(), BoxError> {
 /// 0, so that every measurement starts from the same state.
 pub async fn reset_tables(pool: &PgPool) -> Result<(), sqlx::Error> {
     sqlx::raw_sql(&format!(
-        "truncate credit_ledger, credit_account, consumer_inbox, consumer_inbox_failure,
-                  inbox_quarantine, message_outbox restart identity;
+        "truncate credit_ledger, credit_account, tower_inbox.consumer_inbox, tower_inbox.consumer_inbox_failure,
+                  tower_inbox.inbox_quarantine, tower_inbox.message_outbox restart identity;
          insert into credit_account (account_id, balance)
              select 'acct-' || g, 0 from generate_series(0, {}) g;
          analyze credit_account;",

@@ -28,17 +28,25 @@
 //! }
 //! # Ok(()) }
 //! ```
+//!
+//! **Waiting for an original in flight.** Every claim holds its key's advisory lock
+//! (`pg_try_advisory_xact_lock`) until its transaction ends. A claim that finds the lock held
+//! waits in this process, not in the database: it polls with a short backoff, one
+//! primary-key read at a time, and holds no connection between polls. So a duplicate never
+//! blocks a pooled connection for long, and a wait that runs out raises nothing on the server
+//! (a `lock_timeout` would log an `ERROR` for every such retry).
 
+mod entry;
+mod error;
 mod executor;
-mod literal;
-mod sql;
-mod tx;
+mod message;
+mod settings;
+pub(crate) mod sql;
 
-use std::ops::{Deref, DerefMut};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use sqlx::postgres::{PgConnection, PgPool, PgRow};
+use sha2::{Digest, Sha256};
+use sqlx::postgres::PgPool;
 use sqlx::Row;
 use tracing::Instrument;
 
@@ -46,264 +54,48 @@ use crate::fingerprint::Fingerprint;
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::metrics::{self as m, MetricLabels};
 use crate::quarantine::{identity_item_key, QuarantineSource};
-use tx::OpenTx;
+use crate::schema::Schema;
 
-/// The embedded migrations that create the inbox tables and the claim function.
-///
-/// Run them with [`migrate`], or copy `migrations/` into the application's own migration
-/// directory and run `sqlx migrate run`.
-pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+pub(crate) use entry::{headers_len, seen};
+pub use entry::{Claim, InboxEntry, RecordedResponse};
+pub use error::{InboxError, RetryReason};
+pub use message::ClaimedMessage;
+pub(crate) use message::Finished;
+pub use settings::{ClaimMode, IsolationLevel};
 
-/// Runs the embedded migrations.
-///
-/// Migrations the application applied through the same `_sqlx_migrations` table are
-/// tolerated (they are not ours to check), so an application may run its own migrator with
-/// `set_ignore_missing(true)` beside this one.
-pub async fn migrate(pool: &PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-    let mut migrator = sqlx::migrate!("./migrations");
-    migrator.set_ignore_missing(true);
-    migrator.run(pool).await
-}
-
-/// A failure of the inbox's own database work.
-#[derive(Debug, thiserror::Error)]
-pub enum InboxError {
-    /// The database cannot be reached or has no room right now (connection refused, pool
-    /// timed out, server shutting down, too many connections). Retrying later may succeed.
-    #[error("the inbox database is unavailable: {0}")]
-    Unavailable(#[source] sqlx::Error),
-    /// A serialization failure or deadlock: the transaction can be retried from the start.
-    #[error("the inbox transaction hit a transient conflict: {0}")]
-    Transient(#[source] sqlx::Error),
-    /// The transaction was rolled back instead of committed because it has to be re-run:
-    /// a watched statement failed with a serialization failure or deadlock (which aborted
-    /// it), or a re-run was requested with [`ClaimedMessage::request_retry`]. A claim also
-    /// answers it when the key it found taken kept vanishing before it could read the row
-    /// (three times; a purge racing it), like the serialization failure it is.
-    #[error("the inbox transaction was rolled back to be re-run ({0})")]
-    Rerun(RetryReason),
-    /// (Claim at commit only.) Another transaction claimed the message first: everything
-    /// this one wrote was rolled back. [`Inbox::lookup`] tells what the inbox holds.
-    #[error("the message was claimed by another transaction; this one was rolled back")]
-    ClaimedElsewhere,
-    /// Any other database error, such as missing migrations.
-    #[error("the inbox query failed: {0}")]
-    Database(#[source] sqlx::Error),
-}
-
-impl InboxError {
-    pub(crate) fn classify(err: sqlx::Error) -> Self {
-        use sqlx::Error as E;
-        match &err {
-            E::Io(_)
-            | E::Tls(_)
-            | E::PoolTimedOut
-            | E::PoolClosed
-            | E::WorkerCrashed
-            | E::Protocol(_) => Self::Unavailable(err),
-            E::Database(db) => match db.code().as_deref() {
-                Some("40001" | "40P01") => Self::Transient(err),
-                // connection exceptions, insufficient resources, operator intervention
-                Some(code)
-                    if code.starts_with("08")
-                        || code.starts_with("53")
-                        || matches!(code, "57P01" | "57P02" | "57P03") =>
-                {
-                    Self::Unavailable(err)
-                }
-                _ => Self::Database(err),
-            },
-            _ => Self::Database(err),
-        }
-    }
-
-    /// Whether a later retry of the whole command may succeed.
-    pub fn is_retryable(&self) -> bool {
-        matches!(
-            self,
-            Self::Unavailable(_) | Self::Transient(_) | Self::Rerun(_)
-        )
-    }
-
-    /// Counts the error in [`DATABASE_ERRORS`](m::DATABASE_ERRORS); serialization failures
-    /// and deadlocks are contention, not errors, and are counted as re-runs instead.
-    fn count(&self, consumer: &[::metrics::Label]) {
-        if !matches!(
-            self,
-            Self::Transient(_) | Self::Rerun(_) | Self::ClaimedElsewhere
-        ) {
-            m::count_with(m::DATABASE_ERRORS, consumer, "kind", self.kind());
-        }
-    }
-
-    /// The kind, as a stable span field and metric label.
-    fn kind(&self) -> &'static str {
-        match self {
-            Self::Unavailable(_) => "unavailable",
-            Self::Transient(_) | Self::Rerun(_) => "transient",
-            Self::ClaimedElsewhere => "claimed-elsewhere",
-            Self::Database(_) => "internal",
-        }
-    }
-
-    /// Why the transaction should be re-run, for a serialization failure or a deadlock.
-    pub fn retry_reason(&self) -> Option<RetryReason> {
-        match self {
-            Self::Transient(err) => RetryReason::of(err),
-            Self::Rerun(reason) => Some(*reason),
-            _ => None,
-        }
-    }
-}
-
-/// Why a transaction is rolled back and re-run from the start.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RetryReason {
-    /// `40001`: the transaction could not be serialized with a concurrent one.
-    SerializationFailure,
-    /// `40P01`: the transaction was chosen as the victim of a deadlock.
-    Deadlock,
-    /// The handler asked for it ([`ClaimedMessage::request_retry`]).
-    Requested,
-}
-
-impl RetryReason {
-    /// The stable name, also a metric label.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::SerializationFailure => "serialization-failure",
-            Self::Deadlock => "deadlock",
-            Self::Requested => "requested",
-        }
-    }
-
-    /// The reason a database error calls for a re-run, if it does.
-    ///
-    /// ```
-    /// use tower_inbox::RetryReason;
-    /// assert_eq!(RetryReason::of(&sqlx::Error::RowNotFound), None);
-    /// ```
-    pub fn of(err: &sqlx::Error) -> Option<Self> {
-        match err {
-            sqlx::Error::Database(db) => match db.code().as_deref() {
-                Some("40001") => Some(Self::SerializationFailure),
-                Some("40P01") => Some(Self::Deadlock),
-                _ => None,
-            },
-            _ => None,
-        }
-    }
-}
-
-impl std::fmt::Display for RetryReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// The isolation level claimed transactions run at.
-///
-/// The claim is correct at every level: under `RepeatableRead` and `Serializable` a claim
-/// that meets a concurrently committed original fails with a serialization failure instead of
-/// reading it, and the re-run (a new transaction, a new snapshot) sees it as a duplicate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum IsolationLevel {
-    /// `READ COMMITTED`, PostgreSQL's own default (the default here too).
-    #[default]
-    ReadCommitted,
-    /// `REPEATABLE READ`: one snapshot for the whole handler.
-    RepeatableRead,
-    /// `SERIALIZABLE`: as if the transactions ran one at a time; expect serialization
-    /// failures under contention, which are re-run.
-    Serializable,
-}
-
-impl IsolationLevel {
-    fn begin(self) -> &'static str {
-        match self {
-            Self::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
-            Self::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
-            Self::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
-        }
-    }
-}
-
-/// When the layer claims a command's identity in its transaction.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ClaimMode {
-    /// The claim is the transaction's first statement (the default). A duplicate of a
-    /// finished command is answered before the handler runs, and one of an in-flight
-    /// command waits for it there. Costs one statement more than the handler alone, plus the
-    /// record.
-    #[default]
-    First,
-    /// The handler's statements run first; the inbox row, with the recorded response, is
-    /// inserted last with `ON CONFLICT DO NOTHING`, one statement fewer per command. If the
-    /// key was claimed meanwhile, the whole transaction rolls back and the recorded response
-    /// is replayed (or the conflict or in-progress answer given): at most one transition
-    /// still commits. The trade-off: **a duplicate runs the handler before it is rolled
-    /// back**, so use it only for handlers whose every effect is in the transaction (outbox
-    /// effects included), and expect duplicates to cost a full handler run (a
-    /// [`ReplayCache`](crate::ReplayCache) answers most of them before that).
-    AtCommit,
-}
-
-/// A response (or any outcome) recorded with the claim, replayed byte for byte to duplicates.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RecordedResponse {
-    /// The status code.
-    pub status: u16,
-    /// Header names and values in the order they were sent; names in lowercase.
-    pub headers: Vec<(String, Vec<u8>)>,
-    /// The complete body.
-    pub body: Bytes,
-}
-
-/// What the inbox holds for a message that was claimed before.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InboxEntry {
-    /// The fingerprint of the payload that claimed it, in hex.
-    pub payload_sha256: String,
-    /// The handler version that processed (or is processing) it.
-    pub handler_version: String,
-    /// Whether the outcome is recorded. A committed claim made by the layer always is.
-    pub processed: bool,
-    /// The recorded response, if the consumer recorded one.
-    pub response: Option<RecordedResponse>,
-}
-
-/// The result of a claim attempt.
-#[derive(Debug)]
-pub enum Claim {
-    /// This transaction owns first processing: do the business writes on it, then
-    /// [`ClaimedMessage::commit`].
-    Claimed(ClaimedMessage),
-    /// A duplicate with the same fingerprint; its recorded outcome.
-    Duplicate(InboxEntry),
-    /// The same identity was claimed with a different fingerprint: a producer contract
-    /// violation. The original is untouched.
-    Conflict(InboxEntry),
-    /// The original is still being processed and did not finish within the wait.
-    InProgress,
-}
+/// How many times a claim tries again when the row that held its key vanished before it
+/// could be read (a purge racing it) before it gives up like a serialization failure.
+const VANISHED_ATTEMPTS: u32 = 3;
 
 /// The inbox: claims messages in a transaction of their own pool.
 #[derive(Clone, Debug)]
 pub struct Inbox {
     pool: PgPool,
+    schema: Schema,
     isolation: IsolationLevel,
     labels: MetricLabels,
+    lookup_first: bool,
 }
 
 impl Inbox {
-    /// An inbox over a pool whose database has the [`MIGRATOR`] migrations applied; claims
-    /// run at `READ COMMITTED` and metrics carry the consumer label.
+    /// An inbox over a pool whose database has the [`migrate`](crate::migrate) migrations
+    /// applied, in the default schema; claims run at `READ COMMITTED`, look a key up before
+    /// opening a transaction for it, and metrics carry the consumer label.
     pub fn new(pool: PgPool) -> Self {
         Self {
             pool,
+            schema: Schema::default(),
             isolation: IsolationLevel::default(),
             labels: MetricLabels::default(),
+            lookup_first: true,
         }
+    }
+
+    /// The tables are in `schema` (migrated there with
+    /// [`migrate_schema`](crate::migrate_schema)).
+    pub fn with_schema(mut self, schema: Schema) -> Self {
+        self.schema = schema;
+        self
     }
 
     /// Claims run at `level`.
@@ -318,9 +110,26 @@ impl Inbox {
         self
     }
 
+    /// Whether a claim first reads the key's row outside any transaction (default `true`).
+    ///
+    /// On: a duplicate of a finished command is answered from that one primary-key read,
+    /// with no transaction and no write, and one of an in-flight command waits without
+    /// opening a transaction; a first-seen message pays the read (one round trip) before its
+    /// transaction. Off: every message opens its transaction and claims at once, and a
+    /// duplicate learns it is one from the claim (two round trips).
+    pub fn with_lookup_first(mut self, on: bool) -> Self {
+        self.lookup_first = on;
+        self
+    }
+
     /// The pool claims are made from.
     pub fn pool(&self) -> &PgPool {
         &self.pool
+    }
+
+    /// The schema the tables are in.
+    pub fn schema(&self) -> &Schema {
+        &self.schema
     }
 
     /// The isolation level claims run at.
@@ -340,13 +149,13 @@ impl Inbox {
         err
     }
 
-    /// Opens a transaction and claims `identity` in it with `INSERT ... ON CONFLICT DO
-    /// NOTHING`.
+    /// Claims `identity`: opens a transaction and inserts the key's row in it, `INSERT ...
+    /// ON CONFLICT DO NOTHING`; the primary key serialises concurrent claims.
     ///
-    /// If another transaction holds an uncommitted claim of the same identity, this waits up
-    /// to `wait` for it: if it commits, the result is [`Claim::Duplicate`] or
-    /// [`Claim::Conflict`]; if it rolls back, this claim wins; otherwise
-    /// [`Claim::InProgress`]. The wait holds a pooled connection.
+    /// If another transaction is processing the same identity, this waits up to `wait` for
+    /// it (in this process, see the [module docs](self)): if it commits, the result is
+    /// [`Claim::Duplicate`] or [`Claim::Conflict`]; if it rolls back, this claim may win;
+    /// otherwise [`Claim::InProgress`].
     pub async fn claim(
         &self,
         identity: MessageIdentity,
@@ -357,15 +166,17 @@ impl Inbox {
         let span = tracing::debug_span!(
             "inbox.claim",
             consumer = %identity.consumer(),
-            producer = %identity.producer().name(),
             message_id = %identity.message_id(),
             outcome = tracing::field::Empty,
         );
         let labels = self.labels.of(&identity);
+        let wait_labels = self.labels.of_consumer(identity.consumer());
+        let started = Instant::now();
         let claim = self
             .claim_in_span(identity, fingerprint, handler_version, wait)
             .instrument(span.clone())
             .await;
+        m::observe_seconds(m::CLAIM_WAIT, &wait_labels, started.elapsed().as_secs_f64());
         let outcome = match &claim {
             Ok(claim) => count_claim(claim, &labels),
             Err(err) => err.kind(),
@@ -382,76 +193,104 @@ impl Inbox {
         wait: Duration,
     ) -> Result<Claim, InboxError> {
         let consumer = identity.consumer();
+        let lock = ClaimLock::of(&self.schema, &identity);
+        let deadline = Instant::now() + wait;
+        if let Some(answer) = self
+            .answer_before_claim(&identity, &fingerprint, deadline)
+            .await?
+        {
+            return Ok(answer);
+        }
         let fingerprint_hex = fingerprint.to_hex();
-        let wait_ms = i32::try_from(wait.as_millis()).unwrap_or(i32::MAX);
-        // One message: "BEGIN …; select tower_inbox_claim_or_raise(…)". A claim answers
-        // with success, or raises when the key is taken; the rows of a BEGIN are not read.
-        let begin = format!(
-            "{}; {}",
-            self.isolation.begin(),
-            literal::Call::new(sql::CLAIM_OR_RAISE)
-                .identity(&identity)
-                .text(&fingerprint_hex)
-                .text(handler_version)
-                .int(Some(i64::from(wait_ms)), "integer")
-                .finish()
-        );
-        // A row that won the race can be purged before it is read; then claim again.
-        for _ in 0..3 {
-            let conn = self
+        let sql = self.schema.sql(sql::CLAIM);
+        let mut vanished = 0;
+        loop {
+            let mut tx = self
                 .pool
-                .acquire()
+                .begin_with(self.isolation.begin())
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
-            let started = Instant::now();
-            let begun = OpenTx::begin(conn, begin.clone()).await;
-            m::observe_seconds(
-                m::CLAIM_WAIT,
-                &self.labels.of_consumer(consumer),
-                started.elapsed().as_secs_f64(),
-            );
-            let failed = match begun {
-                Ok(tx) => {
-                    return Ok(Claim::Claimed(ClaimedMessage {
-                        tx,
-                        identity,
-                        retry: None,
-                        labels: self.labels,
-                        at_commit: None,
-                        pool: self.pool.clone(),
-                    }))
-                }
-                Err(failed) => failed,
-            };
-            let then = match failed.code().as_deref() {
-                // The key is taken by a committed row: read it in the ROLLBACK's message.
-                Some(sql::TAKEN) => {
-                    let key: Vec<_> = sql::KEY_COLUMNS
-                        .into_iter()
-                        .zip(identity.key_parts())
-                        .collect();
-                    literal::select_where(sql::LOOKUP_TEXT_SELECT, &key)
-                }
-                // lock_timeout: the original is still in flight. Nothing was written.
-                Some("55P03") => {
-                    failed
-                        .rollback_then("")
-                        .await
-                        .map_err(|e| self.failed(consumer, e))?;
-                    return Ok(Claim::InProgress);
-                }
-                _ => return Err(self.failed(consumer, failed.rollback_into_error().await)),
-            };
-            let rows = failed
-                .rollback_then(&then)
+            let row = bind_identity!(sqlx::query(&sql), &identity)
+                .bind(&fingerprint_hex)
+                .bind(handler_version.as_bytes())
+                .bind(lock.0)
+                .bind(lock.1)
+                .fetch_one(&mut *tx)
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
-            if let Some(row) = rows.first() {
-                return seen(entry_from_text_row(row)?, &fingerprint_hex);
+            let get = |e| InboxError::Database(e);
+            let free: bool = row.try_get("free").map_err(get)?;
+            if row.try_get::<bool, _>("claimed").map_err(get)? {
+                return Ok(Claim::Claimed(ClaimedMessage::new(
+                    tx,
+                    identity,
+                    self.clone(),
+                    None,
+                )));
+            }
+            let entry = entry::entry_from_row(&row)?;
+            // Nothing was written: dropping the transaction rolls it back (and releases the
+            // key's lock) when the connection is next used, which the pool does at once on
+            // release, so the duplicate pays no round trip for its ROLLBACK.
+            drop(tx);
+            let entry = match (entry, free) {
+                (Some(entry), _) => Some(entry),
+                // The row committed after this statement's snapshot: read it afresh.
+                (None, true) => self.lookup(&identity).await?,
+                // The original is in flight.
+                (None, false) => match self.settle(&identity, lock, deadline).await? {
+                    Settled::Held(entry) => Some(entry),
+                    Settled::Busy => return Ok(Claim::InProgress),
+                    // It rolled back: claim again.
+                    Settled::Free => continue,
+                },
+            };
+            match entry {
+                Some(entry) => return Ok(seen(entry, &fingerprint)),
+                None => {
+                    // Taken, then gone (a purge deleted it): contention, retried like one.
+                    vanished += 1;
+                    if vanished >= VANISHED_ATTEMPTS {
+                        return Err(InboxError::Rerun(RetryReason::SerializationFailure));
+                    }
+                }
             }
         }
-        // Taken three times, gone three times: contention with the purge, retried like one.
-        Err(InboxError::Rerun(RetryReason::SerializationFailure))
+    }
+
+    /// Waits until `identity` is no longer in flight in another transaction, or `deadline`
+    /// passes: polls its row and its claim lock, with a growing pause between polls and no
+    /// connection held during a pause.
+    async fn settle(
+        &self,
+        identity: &MessageIdentity,
+        lock: ClaimLock,
+        deadline: Instant,
+    ) -> Result<Settled, InboxError> {
+        let sql = self.schema.sql(sql::LOOKUP_OR_BUSY);
+        let mut pause = Duration::from_millis(2);
+        loop {
+            let row = bind_identity!(sqlx::query(&sql), identity)
+                .bind(lock.0)
+                .bind(lock.1)
+                .fetch_one(&self.pool)
+                .await
+                .map_err(|e| self.failed(identity.consumer(), e))?;
+            if let Some(entry) = entry::entry_from_row(&row)? {
+                return Ok(Settled::Held(entry));
+            }
+            if row.try_get("free").map_err(InboxError::Database)? {
+                return Ok(Settled::Free);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(Settled::Busy);
+            }
+            // Jittered, so that waiters on one key do not poll in lockstep.
+            let jittered = pause.mul_f64(0.5 + fastrand::f64() * 0.5);
+            tokio::time::sleep(jittered.min(deadline - now)).await;
+            pause = (pause * 2).min(Duration::from_millis(50));
+        }
     }
 
     /// Opens a transaction for `identity` whose claim is made at commit, as the last
@@ -465,41 +304,60 @@ impl Inbox {
         handler_version: &str,
         wait: Duration,
     ) -> Result<ClaimedMessage, InboxError> {
-        let conn = self
+        let tx = self
             .pool
-            .acquire()
+            .begin_with(self.isolation.begin())
             .await
             .map_err(|e| self.failed(identity.consumer(), e))?;
-        let tx = match OpenTx::begin(conn, self.isolation.begin().to_owned()).await {
-            Ok(tx) => tx,
-            Err(failed) => {
-                return Err(self.failed(identity.consumer(), failed.rollback_into_error().await))
-            }
+        let at_commit = message::ClaimAtCommit {
+            fingerprint,
+            handler_version: handler_version.to_owned(),
+            wait,
         };
-        Ok(ClaimedMessage {
+        Ok(ClaimedMessage::new(
             tx,
             identity,
-            retry: None,
-            labels: self.labels,
-            pool: self.pool.clone(),
-            at_commit: Some(ClaimAtCommit {
-                fingerprint_hex: fingerprint.to_hex(),
-                handler_version: handler_version.to_owned(),
-                wait_ms: i32::try_from(wait.as_millis()).unwrap_or(i32::MAX),
-            }),
+            self.clone(),
+            Some(at_commit),
+        ))
+    }
+
+    /// With [lookup first](Self::with_lookup_first) on, the answer a message gets without
+    /// a transaction of its own: a finished command's outcome or conflict, or
+    /// [`Claim::InProgress`] once `deadline` passes with the original still in flight.
+    /// `None` when the key is free and a transaction must claim it (or lookup first is off).
+    pub(crate) async fn answer_before_claim(
+        &self,
+        identity: &MessageIdentity,
+        fingerprint: &Fingerprint,
+        deadline: Instant,
+    ) -> Result<Option<Claim>, InboxError> {
+        if !self.lookup_first {
+            return Ok(None);
+        }
+        let lock = ClaimLock::of(&self.schema, identity);
+        Ok(match self.settle(identity, lock, deadline).await? {
+            Settled::Held(entry) => Some(seen(entry, fingerprint)),
+            Settled::Busy => Some(Claim::InProgress),
+            Settled::Free => None,
         })
     }
 
-    /// Reads what the inbox holds for `identity`, outside any transaction.
+    /// Reads what the inbox holds for `identity`, outside any transaction: the committed
+    /// state only.
     pub async fn lookup(
         &self,
         identity: &MessageIdentity,
     ) -> Result<Option<InboxEntry>, InboxError> {
-        let row = bind_identity!(sqlx::query(sql::LOOKUP), &identity)
+        let sql = self.schema.sql(sql::LOOKUP);
+        let row = bind_identity!(sqlx::query(&sql), identity)
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| self.failed(identity.consumer(), e))?;
-        row.as_ref().map(entry_from_row).transpose()
+        match row {
+            Some(row) => entry::entry_from_row(&row),
+            None => Ok(None),
+        }
     }
 
     /// Counts an attempt at `identity` that rolled back, with a stable reason code, in a
@@ -525,16 +383,16 @@ impl Inbox {
             reason,
         );
         let item_key = identity_item_key(QuarantineSource::HandlerFailure, identity, "");
-        let item: Option<(i64, bool)> =
-            bind_identity!(sqlx::query_as(sql::RECORD_FAILURE), &identity)
-                .bind(fingerprint.to_hex())
-                .bind(handler_version)
-                .bind(reason)
-                .bind(i32::try_from(quarantine_after.max(1)).unwrap_or(i32::MAX))
-                .bind(item_key)
-                .fetch_optional(&self.pool)
-                .await
-                .map_err(|e| self.failed(identity.consumer(), e))?;
+        let sql = self.schema.sql(sql::RECORD_FAILURE);
+        let item: Option<(i64, bool)> = bind_identity!(sqlx::query_as(&sql), identity)
+            .bind(fingerprint.to_hex())
+            .bind(handler_version.as_bytes())
+            .bind(reason.as_bytes())
+            .bind(i32::try_from(quarantine_after.max(1)).unwrap_or(i32::MAX))
+            .bind(item_key.as_bytes())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.failed(identity.consumer(), e))?;
         if let Some((_, true)) = item {
             quarantine_moved(QuarantineSource::HandlerFailure);
         }
@@ -572,22 +430,54 @@ impl Inbox {
         handler_version: &str,
     ) -> Result<(i64, i32), InboxError> {
         let sha = fingerprint.to_hex();
-        let (id, attempts): (i64, i32) = bind_identity!(
-            sqlx::query_as(sql::QUARANTINE_MESSAGE)
-                .bind(source.as_str())
-                .bind(identity_item_key(source, identity, &sha)),
-            &identity
-        )
-        .bind(&sha)
-        .bind(reason_code)
-        .bind(handler_version)
-        .fetch_one(&self.pool)
-        .await
-        .map_err(|e| self.failed(identity.consumer(), e))?;
+        let item_key = identity_item_key(source, identity, &sha);
+        let sql = self.schema.sql(sql::QUARANTINE_MESSAGE);
+        let (id, attempts): (i64, i32) = bind_identity!(sqlx::query_as(&sql), identity)
+            .bind(source.as_str())
+            .bind(item_key.as_bytes())
+            .bind(&sha)
+            .bind(reason_code.as_bytes())
+            .bind(handler_version.as_bytes())
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.failed(identity.consumer(), e))?;
         if attempts == 1 {
             quarantine_moved(source);
         }
         Ok((id, attempts))
+    }
+}
+
+/// Where a key stands after waiting for an original in flight.
+enum Settled {
+    /// A committed row holds it.
+    Held(InboxEntry),
+    /// Nothing holds it: the original rolled back (or never was).
+    Free,
+    /// Still in flight when the wait ran out.
+    Busy,
+}
+
+/// The two keys of a message's advisory lock (`pg_try_advisory_xact_lock(int4, int4)`, a key
+/// space apart from the one-`bigint` form), from the schema and the identity: the same for
+/// every process, so that instances of a service see each other's claims in flight. Two
+/// identities that share a lock (one chance in 2^64) only make one wait for the other.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClaimLock(i32, i32);
+
+impl ClaimLock {
+    pub(crate) fn of(schema: &Schema, identity: &MessageIdentity) -> Self {
+        let mut hasher = Sha256::new();
+        hasher.update(b"tower-inbox/claim-lock/v1");
+        for part in std::iter::once(schema.name()).chain(identity.key_parts()) {
+            hasher.update((part.len() as u64).to_be_bytes());
+            hasher.update(part.as_bytes());
+        }
+        let digest = hasher.finalize();
+        let half = |at: usize| {
+            i32::from_be_bytes([digest[at], digest[at + 1], digest[at + 2], digest[at + 3]])
+        };
+        Self(half(0), half(4))
     }
 }
 
@@ -604,7 +494,7 @@ pub(crate) fn quarantine_recovered(source: QuarantineSource, n: u64) {
 }
 
 /// Counts a claim's outcome and names it (for the span).
-fn count_claim(claim: &Claim, labels: &[::metrics::Label]) -> &'static str {
+pub(crate) fn count_claim(claim: &Claim, labels: &[::metrics::Label]) -> &'static str {
     match claim {
         Claim::Claimed(_) => "claimed",
         Claim::Duplicate(_) => {
@@ -619,419 +509,5 @@ fn count_claim(claim: &Claim, labels: &[::metrics::Label]) -> &'static str {
             m::count(m::IN_PROGRESS, labels, 1);
             "in-progress"
         }
-    }
-}
-
-/// What a claim that found the key taken answers, from the winning row.
-fn seen_from_row(row: &PgRow, fingerprint_hex: &str) -> Result<Claim, InboxError> {
-    seen(entry_from_row(row)?, fingerprint_hex)
-}
-
-fn seen(entry: InboxEntry, fingerprint_hex: &str) -> Result<Claim, InboxError> {
-    Ok(if entry.payload_sha256 != fingerprint_hex {
-        Claim::Conflict(entry)
-    } else if entry.processed {
-        Claim::Duplicate(entry)
-    } else {
-        Claim::InProgress
-    })
-}
-
-fn entry_from_row(row: &PgRow) -> Result<InboxEntry, InboxError> {
-    let get = |e| InboxError::Database(e);
-    let status: Option<i16> = row.try_get("response_status").map_err(get)?;
-    let response = match status {
-        None => None,
-        Some(status) => {
-            let names: Vec<String> = row
-                .try_get::<Option<Vec<String>>, _>("response_header_names")
-                .map_err(get)?
-                .unwrap_or_default();
-            let values: Vec<Vec<u8>> = row
-                .try_get::<Option<Vec<Vec<u8>>>, _>("response_header_values")
-                .map_err(get)?
-                .unwrap_or_default();
-            let body: Vec<u8> = row
-                .try_get::<Option<Vec<u8>>, _>("response_body")
-                .map_err(get)?
-                .unwrap_or_default();
-            Some(recorded(
-                status,
-                names.into_iter().zip(values).collect(),
-                body,
-            ))
-        }
-    };
-    entry_with(row, response)
-}
-
-/// [`entry_from_row`] for a row of [`sql::LOOKUP_TEXT_SELECT`], read in text format.
-fn entry_from_text_row(row: &PgRow) -> Result<InboxEntry, InboxError> {
-    let get = |e| InboxError::Database(e);
-    let malformed = |what: &str| {
-        InboxError::Database(sqlx::Error::Decode(
-            format!("the inbox row's {what} is not the hex the lookup writes").into(),
-        ))
-    };
-    let status: Option<i16> = row.try_get("response_status").map_err(get)?;
-    let response = match status {
-        None => None,
-        Some(status) => {
-            let body: Option<String> = row.try_get("response_body_hex").map_err(get)?;
-            let body = match body {
-                Some(hex) => literal::from_hex(&hex).ok_or_else(|| malformed("body"))?,
-                None => Vec::new(),
-            };
-            let headers: Option<String> = row.try_get("response_headers_hex").map_err(get)?;
-            let mut pairs = Vec::new();
-            for pair in headers
-                .as_deref()
-                .unwrap_or("")
-                .split(',')
-                .filter(|p| !p.is_empty())
-            {
-                let (name, value) = pair.split_once(':').ok_or_else(|| malformed("headers"))?;
-                let name = literal::from_hex(name)
-                    .and_then(|n| String::from_utf8(n).ok())
-                    .ok_or_else(|| malformed("headers"))?;
-                let value = literal::from_hex(value).ok_or_else(|| malformed("headers"))?;
-                pairs.push((name, value));
-            }
-            Some(recorded(status, pairs, body))
-        }
-    };
-    entry_with(row, response)
-}
-
-fn recorded(status: i16, headers: Vec<(String, Vec<u8>)>, body: Vec<u8>) -> RecordedResponse {
-    RecordedResponse {
-        status: u16::try_from(status).unwrap_or(500),
-        headers,
-        body: Bytes::from(body),
-    }
-}
-
-fn entry_with(row: &PgRow, response: Option<RecordedResponse>) -> Result<InboxEntry, InboxError> {
-    let get = |e| InboxError::Database(e);
-    Ok(InboxEntry {
-        payload_sha256: row.try_get("payload_sha256").map_err(get)?,
-        handler_version: row.try_get("handler_version").map_err(get)?,
-        processed: row.try_get("processed").map_err(get)?,
-        response,
-    })
-}
-
-/// A message this transaction claimed.
-///
-/// Run the business writes through it: `sqlx::query(..).execute(&mut message)` (or
-/// `&mut *tx` for an [`InboxTx`](crate::InboxTx)). Statements run that way are watched: a
-/// serialization failure or deadlock among them is remembered ([`retry_reason`](Self::retry_reason)),
-/// and the layer then rolls back and re-runs the handler. It also dereferences to the
-/// transaction's [`PgConnection`] for functions that take one; statements run through that
-/// plain connection are not watched, so call [`request_retry`](Self::request_retry) when one
-/// of them fails with `40001` or `40P01`.
-///
-/// Dropping it without [`commit`](Self::commit) rolls the claim back with everything written
-/// on it, so a retry can process the message again.
-#[derive(Debug)]
-pub struct ClaimedMessage {
-    tx: OpenTx,
-    identity: MessageIdentity,
-    retry: Option<RetryReason>,
-    labels: MetricLabels,
-    /// Set when the claim is still to be made, at commit.
-    at_commit: Option<ClaimAtCommit>,
-    /// For reading the row that won, when the claim at commit finds the key taken.
-    pool: PgPool,
-}
-
-/// What a claim made at commit needs.
-#[derive(Debug)]
-struct ClaimAtCommit {
-    fingerprint_hex: String,
-    handler_version: String,
-    wait_ms: i32,
-}
-
-/// How [`ClaimedMessage::finish`] ended.
-#[derive(Debug)]
-pub(crate) enum Finished {
-    /// Claim, business writes and record committed together.
-    Committed,
-    /// (Claim at commit.) The key was claimed by another transaction: everything was rolled
-    /// back; this is what the inbox holds instead (never [`Claim::Claimed`]).
-    ClaimedElsewhere(Box<Claim>),
-}
-
-impl ClaimedMessage {
-    /// The identity this transaction claimed.
-    pub fn identity(&self) -> &MessageIdentity {
-        &self.identity
-    }
-
-    /// Asks for this transaction to be rolled back and run again from the start, as after a
-    /// serialization failure. The layer honours it whatever the handler answers, within its
-    /// [`TransientRetry`](crate::TransientRetry) bound.
-    pub fn request_retry(&mut self) {
-        self.retry.get_or_insert(RetryReason::Requested);
-    }
-
-    /// Why this transaction has to be re-run, if a watched statement failed with a
-    /// serialization failure or deadlock (which aborted it), or a re-run was requested.
-    /// [`commit`](Self::commit) then rolls back instead and answers
-    /// [`InboxError::Rerun`].
-    pub fn retry_reason(&self) -> Option<RetryReason> {
-        self.retry
-    }
-
-    /// Records the outcome on the claim and commits: claim, business writes and recorded
-    /// response become durable together or not at all.
-    ///
-    /// An error from the commit itself is ambiguous (the server may have committed before the
-    /// connection failed); a retry of the command resolves it, as a replay or a new run.
-    ///
-    /// A transaction that has to be re-run ([`retry_reason`](Self::retry_reason)) is rolled
-    /// back instead, with [`InboxError::Rerun`]: claim again and run it from the start.
-    pub async fn commit(self, response: Option<&RecordedResponse>) -> Result<(), InboxError> {
-        match self.finish(response).await? {
-            Finished::Committed => Ok(()),
-            Finished::ClaimedElsewhere(_) => Err(InboxError::ClaimedElsewhere),
-        }
-    }
-
-    /// Records and commits; with a claim made at commit, reports a key claimed meanwhile.
-    pub(crate) async fn finish(
-        self,
-        response: Option<&RecordedResponse>,
-    ) -> Result<Finished, InboxError> {
-        let span = tracing::debug_span!(
-            "inbox.commit",
-            consumer = %self.identity.consumer(),
-            producer = %self.identity.producer().name(),
-            message_id = %self.identity.message_id(),
-            status = response.map(|r| r.status),
-            outcome = tracing::field::Empty,
-        );
-        let (labels, identity) = (self.labels, self.identity.clone());
-        let result = self
-            .record_and_commit(response)
-            .instrument(span.clone())
-            .await;
-        let outcome = match &result {
-            Ok(Finished::Committed) => {
-                m::count(m::FIRST_SEEN, &labels.of(&identity), 1);
-                "committed"
-            }
-            Ok(Finished::ClaimedElsewhere(claim)) => count_claim(claim, &labels.of(&identity)),
-            Err(err) => {
-                err.count(&labels.of_consumer(identity.consumer()));
-                err.kind()
-            }
-        };
-        span.record("outcome", outcome);
-        result
-    }
-
-    async fn record_and_commit(
-        mut self,
-        response: Option<&RecordedResponse>,
-    ) -> Result<Finished, InboxError> {
-        if let Some(reason) = self.retry {
-            // Aborted by a watched 40001/40P01, or asked to run again: never commit it.
-            self.tx.rollback().await.map_err(InboxError::classify)?;
-            return Err(InboxError::Rerun(reason));
-        }
-        if response.is_none_or(|r| r.body.len() <= literal::MAX_LITERAL_BODY) {
-            return self.record_and_commit_in_one(response).await;
-        }
-        let (status, names, values, body) = match response {
-            Some(r) => (
-                Some(i16::try_from(r.status).unwrap_or(i16::MAX)),
-                Some(
-                    r.headers
-                        .iter()
-                        .map(|(n, _)| n.as_str())
-                        .collect::<Vec<_>>(),
-                ),
-                Some(
-                    r.headers
-                        .iter()
-                        .map(|(_, v)| v.as_slice())
-                        .collect::<Vec<_>>(),
-                ),
-                Some(&r.body[..]),
-            ),
-            None => (None, None, None, None),
-        };
-        let identity = &self.identity;
-        let item_key = identity_item_key(QuarantineSource::HandlerFailure, identity, "");
-        let recovered: i64 = match &self.at_commit {
-            None => bind_identity!(sqlx::query_scalar(sql::RECORD), &identity)
-                .bind(status)
-                .bind(names)
-                .bind(values)
-                .bind(body)
-                .bind(item_key)
-                .fetch_optional(&mut *self.tx)
-                .await
-                .map_err(InboxError::classify)?
-                .unwrap_or(0),
-            Some(claim) => {
-                let started = Instant::now();
-                let row = bind_identity!(sqlx::query(sql::CLAIM_AT_COMMIT), &identity)
-                    .bind(&claim.fingerprint_hex)
-                    .bind(&claim.handler_version)
-                    .bind(claim.wait_ms)
-                    .bind(status)
-                    .bind(names)
-                    .bind(values)
-                    .bind(body)
-                    .bind(item_key)
-                    .fetch_one(&mut *self.tx)
-                    .await;
-                m::observe_seconds(
-                    m::CLAIM_WAIT,
-                    &self.labels.of_consumer(identity.consumer()),
-                    started.elapsed().as_secs_f64(),
-                );
-                let row = match row {
-                    Ok(row) => row,
-                    Err(sqlx::Error::Database(db)) if db.code().as_deref() == Some("55P03") => {
-                        // The original is still in flight: ours rolls back entirely.
-                        self.tx.rollback().await.map_err(InboxError::classify)?;
-                        return Ok(Finished::ClaimedElsewhere(Box::new(Claim::InProgress)));
-                    }
-                    Err(err) => return Err(InboxError::classify(err)),
-                };
-                let claimed: bool = row.try_get("claimed").map_err(InboxError::Database)?;
-                if !claimed {
-                    self.tx.rollback().await.map_err(InboxError::classify)?;
-                    let seen = seen_from_row(&row, &claim.fingerprint_hex)?;
-                    return Ok(Finished::ClaimedElsewhere(Box::new(seen)));
-                }
-                row.try_get("recovered").map_err(InboxError::Database)?
-            }
-        };
-        self.tx.commit().await.map_err(InboxError::classify)?;
-        quarantine_recovered(QuarantineSource::HandlerFailure, recovered.unsigned_abs());
-        Ok(Finished::Committed)
-    }
-
-    /// Records (claim first) or claims and records (claim at commit), and commits, in one
-    /// message: `select tower_inbox_…(…); commit; begin`. If the function fails (or, at
-    /// commit, finds the key taken and raises `TIAC1`), the rest of the message is never
-    /// run and the dropped transaction rolls back. On success the trailing `begin` leaves an
-    /// empty transaction for the dropped handle's queued `ROLLBACK` to end, which the pool
-    /// sends with its release ping: no round trip of its own, and no warning.
-    async fn record_and_commit_in_one(
-        self,
-        response: Option<&RecordedResponse>,
-    ) -> Result<Finished, InboxError> {
-        let sql = self.record_sql(response);
-        let Self {
-            mut tx,
-            identity,
-            labels,
-            at_commit,
-            pool,
-            ..
-        } = self;
-        let started = Instant::now();
-        // Through the Executor trait: its boxed future is Send, RawSql's own is not provably.
-        let result = sqlx::Executor::fetch_all(&mut *tx, sqlx::raw_sql(&sql)).await;
-        if at_commit.is_some() {
-            m::observe_seconds(
-                m::CLAIM_WAIT,
-                &labels.of_consumer(identity.consumer()),
-                started.elapsed().as_secs_f64(),
-            );
-        }
-        // Success, failure or cancellation alike: the handle's queued ROLLBACK ends what is
-        // left (the empty transaction, or the failed one).
-        drop(tx);
-        let code = match &result {
-            Err(sqlx::Error::Database(db)) => db.code().map(|c| c.into_owned()),
-            _ => None,
-        };
-        match (result, code.as_deref(), at_commit) {
-            (Ok(rows), _, _) => {
-                let recovered: i64 = match rows.first() {
-                    Some(row) => row.try_get(0).map_err(InboxError::Database)?,
-                    None => 0,
-                };
-                quarantine_recovered(QuarantineSource::HandlerFailure, recovered.unsigned_abs());
-                Ok(Finished::Committed)
-            }
-            // The original is still in flight; everything of ours rolled back.
-            (Err(_), Some("55P03"), Some(_)) => {
-                Ok(Finished::ClaimedElsewhere(Box::new(Claim::InProgress)))
-            }
-            // Claimed meanwhile by another transaction, which committed: read its row.
-            (Err(_), Some("TIAC1"), Some(claim)) => {
-                let row = bind_identity!(sqlx::query(sql::LOOKUP), &identity)
-                    .fetch_optional(&pool)
-                    .await
-                    .map_err(InboxError::classify)?;
-                match row {
-                    Some(row) => Ok(Finished::ClaimedElsewhere(Box::new(seen_from_row(
-                        &row,
-                        &claim.fingerprint_hex,
-                    )?))),
-                    // Purged in between: nothing holds the key any more; run again.
-                    None => Err(InboxError::Rerun(RetryReason::SerializationFailure)),
-                }
-            }
-            (Err(err), _, _) => Err(InboxError::classify(err)),
-        }
-    }
-
-    /// The text of [`record_and_commit_in_one`](Self::record_and_commit_in_one)'s message.
-    fn record_sql(&self, response: Option<&RecordedResponse>) -> String {
-        let identity = &self.identity;
-        let call = match &self.at_commit {
-            None => literal::Call::new("tower_inbox_record"),
-            Some(_) => literal::Call::new("tower_inbox_claim_at_commit_or_abort"),
-        }
-        .identity(identity);
-        let call = match &self.at_commit {
-            None => call,
-            Some(claim) => call
-                .text(&claim.fingerprint_hex)
-                .text(&claim.handler_version)
-                .int(Some(i64::from(claim.wait_ms)), "integer"),
-        };
-        let headers = response.map(|r| &r.headers[..]);
-        call.int(
-            response.map(|r| i64::from(i16::try_from(r.status).unwrap_or(i16::MAX))),
-            "smallint",
-        )
-        .text_array(headers.map(|h| h.iter().map(|(name, _)| name.as_str())))
-        .bytea_array(headers.map(|h| h.iter().map(|(_, value)| value.as_slice())))
-        .bytea(response.map(|r| &r.body[..]))
-        .text(&identity_item_key(
-            QuarantineSource::HandlerFailure,
-            identity,
-            "",
-        ))
-        .then_commit()
-    }
-
-    /// Rolls back the claim and everything written in its transaction.
-    pub async fn rollback(self) -> Result<(), InboxError> {
-        self.tx.rollback().await.map_err(InboxError::classify)
-    }
-}
-
-impl Deref for ClaimedMessage {
-    type Target = PgConnection;
-
-    fn deref(&self) -> &PgConnection {
-        &self.tx
-    }
-}
-
-impl DerefMut for ClaimedMessage {
-    fn deref_mut(&mut self) -> &mut PgConnection {
-        &mut self.tx
     }
 }

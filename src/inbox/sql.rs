@@ -1,113 +1,273 @@
-//! The statements the protocol core sends, next to the migrations they rely on
-//! (`migrations/20261202000001_consumer_inbox.sql`).
+//! The statements the protocol core sends, next to the tables they rely on
+//! (`migrations/20261204000001_inbox.sql`, `…02_outbox_quarantine.sql`).
+//!
+//! Every value is a bound parameter, so no value is ever part of the statement's text: the
+//! server's log shows the text of a failing statement, never what a client sent, and no
+//! session setting (`standard_conforming_strings`, `backslash_quote`) changes what a value
+//! means. Text that may hold non-ASCII characters (names, versions, quarantine keys) is bound
+//! as its UTF-8 bytes and decoded by [`utf8!`], so a session whose `client_encoding` was
+//! changed cannot store or look up a different identity either.
+//!
+//! Tables are named `tower_inbox.<table>` and functions `pg_catalog.<function>`;
+//! [`Schema::sql`](crate::schema::Schema) swaps the schema's name when another is configured.
+//! Each statement is one plain SQL statement (no PL/pgSQL, no exception block), prepared once
+//! per connection by sqlx and run from its cached plan afterwards.
 
-/// Records the outcome on the claimed row. Touches no indexed column, so it can be a HOT
-/// update. `processed_at` is the time of recording (`clock_timestamp()`), not the start of
-/// the transaction (`now()`, which `received_at` holds). In the same statement, a quarantine item about earlier failed attempts of this
-/// command is marked recovered: it commits exactly when the success does. Returns how many
-/// items it recovered.
-pub(crate) const RECORD: &str = "\
-with recovered as ( \
-    update inbox_quarantine \
-    set recovered_at = now(), \
-        decision = coalesce(decision, 'repair'), \
-        decided_by = coalesce(decided_by, 'tower-inbox'), \
-        decided_at = coalesce(decided_at, now()), \
-        decision_reason = coalesce(decision_reason, 'a later attempt committed') \
-    where item_key = $9 and recovered_at is null \
-    returning 1 \
-) \
-update consumer_inbox \
-set processed_at = clock_timestamp(), response_status = $5, response_header_names = $6, \
-    response_header_values = $7, response_body = $8 \
-where consumer_name = $1 and producer_name = $2 and tenant_id = $3 and message_id = $4 \
-returning (select count(*) from recovered)";
+/// A `bytea` parameter holding UTF-8 as `text`, in the default collation (the collation
+/// `convert_from` would otherwise take from its `name` argument is `"C"`, under which the
+/// primary key cannot be used).
+macro_rules! utf8 {
+    ($param:literal) => {
+        concat!(
+            "pg_catalog.convert_from(",
+            $param,
+            ", 'UTF8') collate pg_catalog.\"default\""
+        )
+    };
+}
+pub(crate) use utf8;
+
+/// `<alias>.<key column> = <parameter>` for the four key columns, bound as
+/// [`bind_identity!`](crate::identity::bind_identity) binds them: `$1` to `$4`.
+macro_rules! key_is {
+    ($alias:literal) => {
+        concat!(
+            $alias,
+            ".consumer_name = ",
+            $crate::inbox::sql::utf8!("$1"),
+            " and ",
+            $alias,
+            ".producer_name = ",
+            $crate::inbox::sql::utf8!("$2"),
+            " and ",
+            $alias,
+            ".tenant_id = ",
+            $crate::inbox::sql::utf8!("$3"),
+            " and ",
+            $alias,
+            ".message_id = $4"
+        )
+    };
+}
+pub(crate) use key_is;
+
+/// What a row of the inbox answers a duplicate with, from the table aliased `i`.
+macro_rules! entry_columns {
+    () => {
+        "i.payload_sha256, i.handler_version, i.processed_at is not null as processed, \
+         i.response_status, i.response_header_names, i.response_header_values, i.response_body"
+    };
+}
+
+/// Marks the quarantine item about earlier failed attempts of a command (key `$item`)
+/// recovered, for each row of the CTE `$done`: it commits exactly when the success does.
+macro_rules! recover_failures {
+    ($done:literal, $item:literal) => {
+        concat!(
+            "recovered as ( \
+                 update tower_inbox.inbox_quarantine q \
+                 set recovered_at = pg_catalog.now(), \
+                     decision = coalesce(q.decision, 'repair'), \
+                     decided_by = coalesce(q.decided_by, 'tower-inbox'), \
+                     decided_at = coalesce(q.decided_at, pg_catalog.now()), \
+                     decision_reason = coalesce(q.decision_reason, 'a later attempt committed') \
+                 from ",
+            $done,
+            " where q.item_key = ",
+            utf8!($item),
+            " and q.recovered_at is null \
+                 returning 1)"
+        )
+    };
+}
+
+/// Claims a message as the first statement of its transaction. Parameters: the identity
+/// (`$1`..`$4`), the fingerprint (`$5`), the handler version (`$6`) and the claim lock's
+/// two keys (`$7`, `$8`).
+///
+/// The claim never waits and never raises. It first tries the key's advisory lock, which
+/// every claim of the key holds until its transaction ends: held elsewhere, the original is
+/// in flight (`free` is false) and nothing is inserted. Otherwise the insert either claims
+/// the key (`claimed`) or meets a committed row, which the same result carries (the columns
+/// of [`entry_columns!`]) so that a duplicate is answered from this one round trip. The row
+/// can be missing from the result only when it committed after this statement's snapshot was
+/// taken; the caller then reads it again.
+///
+/// Under `REPEATABLE READ` and `SERIALIZABLE`, meeting a row committed after the snapshot is
+/// a serialization failure (`40001`) instead, and the caller re-runs the transaction.
+pub(crate) const CLAIM: &str = concat!(
+    "with lock as ( \
+         select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free \
+     ), claimed as ( \
+         insert into tower_inbox.consumer_inbox \
+             (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version) \
+         select ",
+    utf8!("$1"),
+    ", ",
+    utf8!("$2"),
+    ", ",
+    utf8!("$3"),
+    ", $4, $5, ",
+    utf8!("$6"),
+    " from lock where lock.free \
+         on conflict do nothing \
+         returning 1 \
+     ) \
+     select l.free, exists (select 1 from claimed) as claimed, ",
+    entry_columns!(),
+    " from lock l \
+     left join tower_inbox.consumer_inbox i \
+         on not exists (select 1 from claimed) and ",
+    key_is!("i")
+);
+
+/// Claims at commit: the transaction's last statement before `COMMIT` inserts the inbox row
+/// with the recorded response, so the claim and the record are one statement. As [`CLAIM`],
+/// with the response after the lock keys (`$9` status, `$10` header names, `$11` header
+/// values, `$12` body) and the quarantine item of earlier failures (`$13`), which it marks
+/// recovered (`recovered`) when it claims.
+pub(crate) const CLAIM_AT_COMMIT: &str = concat!(
+    "with lock as ( \
+         select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free \
+     ), claimed as ( \
+         insert into tower_inbox.consumer_inbox \
+             (consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
+              handler_version, processed_at, response_status, response_header_names, \
+              response_header_values, response_body) \
+         select ",
+    utf8!("$1"),
+    ", ",
+    utf8!("$2"),
+    ", ",
+    utf8!("$3"),
+    ", $4, $5, ",
+    utf8!("$6"),
+    ", pg_catalog.clock_timestamp(), $9, $10, $11, $12 from lock where lock.free \
+         on conflict do nothing \
+         returning 1 \
+     ), ",
+    recover_failures!("claimed", "$13"),
+    " select l.free, exists (select 1 from claimed) as claimed, \
+            (select pg_catalog.count(*) from recovered) as recovered, ",
+    entry_columns!(),
+    " from lock l \
+     left join tower_inbox.consumer_inbox i \
+         on not exists (select 1 from claimed) and ",
+    key_is!("i")
+);
+
+/// Records the outcome on the row this transaction claimed (`$5` status, `$6` header names,
+/// `$7` header values, `$8` body) and marks the quarantine item of earlier failures (`$9`)
+/// recovered. `recorded` must be 1: a claim never commits without its response. The update
+/// touches no indexed column, so it can be HOT. `processed_at` is the time of recording
+/// (`clock_timestamp()`), not the start of the transaction (`now()`, which `received_at`
+/// holds).
+pub(crate) const RECORD: &str = concat!(
+    "with recorded as ( \
+         update tower_inbox.consumer_inbox i \
+         set processed_at = pg_catalog.clock_timestamp(), response_status = $5, \
+             response_header_names = $6, response_header_values = $7, response_body = $8 \
+         where ",
+    key_is!("i"),
+    " returning 1 \
+     ), ",
+    recover_failures!("recorded", "$9"),
+    " select (select pg_catalog.count(*) from recorded) as recorded, \
+             (select pg_catalog.count(*) from recovered) as recovered"
+);
+
+/// Reads one inbox row (the committed state; nothing in flight is visible).
+pub(crate) const LOOKUP: &str = concat!(
+    "select ",
+    entry_columns!(),
+    " from tower_inbox.consumer_inbox i where ",
+    key_is!("i")
+);
+
+/// [`LOOKUP`], outside any transaction, together with whether the key's claim lock is free
+/// (`$5`, `$6`): a key without a committed row whose lock is held is in flight elsewhere.
+/// The lock is released again when the statement ends.
+pub(crate) const LOOKUP_OR_BUSY: &str = concat!(
+    "select pg_catalog.pg_try_advisory_xact_lock($5, $6) as free, ",
+    entry_columns!(),
+    " from (select) as one left join tower_inbox.consumer_inbox i on ",
+    key_is!("i")
+);
 
 /// Counts a rolled-back attempt, in its own transaction; from the `$8`th attempt on, the
 /// command also has an open quarantine item (key `$9`) carrying the same count. Returns the
 /// item and whether this statement opened it (`xmax = 0` marks a row inserted, not updated).
-pub(crate) const RECORD_FAILURE: &str = "\
-with failure as ( \
-    insert into consumer_inbox_failure as f \
-        (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version, last_reason) \
-    values ($1, $2, $3, $4, $5, $6, $7) \
-    on conflict (consumer_name, producer_name, tenant_id, message_id) do update \
-    set attempts = f.attempts + 1, last_failed_at = now(), last_reason = excluded.last_reason, \
-        payload_sha256 = excluded.payload_sha256, handler_version = excluded.handler_version \
-    returning * \
-) \
-insert into inbox_quarantine as q \
-    (source, item_key, consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
-     payload_ref, reason_code, attempts, first_failed_at, last_failed_at, handler_version) \
-select 'handler-failure', $9, consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
-       'sha256:' || payload_sha256, last_reason, attempts, first_failed_at, last_failed_at, handler_version \
-from failure where attempts >= $8 \
-on conflict (item_key) where decision is null do update \
-set attempts = excluded.attempts, last_failed_at = excluded.last_failed_at, \
-    reason_code = excluded.reason_code, payload_sha256 = excluded.payload_sha256, \
-    payload_ref = excluded.payload_ref, handler_version = excluded.handler_version \
-returning q.id, (q.xmax = 0) as opened";
+/// `$5` fingerprint, `$6` handler version, `$7` reason.
+pub(crate) const RECORD_FAILURE: &str = concat!(
+    "with failure as ( \
+         insert into tower_inbox.consumer_inbox_failure as f \
+             (consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
+              handler_version, last_reason) \
+         values (",
+    utf8!("$1"),
+    ", ",
+    utf8!("$2"),
+    ", ",
+    utf8!("$3"),
+    ", $4, $5, ",
+    utf8!("$6"),
+    ", ",
+    utf8!("$7"),
+    ") \
+         on conflict (consumer_name, producer_name, tenant_id, message_id) do update \
+         set attempts = f.attempts + 1, last_failed_at = pg_catalog.now(), \
+             last_reason = excluded.last_reason, payload_sha256 = excluded.payload_sha256, \
+             handler_version = excluded.handler_version \
+         returning * \
+     ) \
+     insert into tower_inbox.inbox_quarantine as q \
+         (source, item_key, consumer_name, producer_name, tenant_id, message_id, \
+          payload_sha256, payload_ref, reason_code, attempts, first_failed_at, \
+          last_failed_at, handler_version) \
+     select 'handler-failure', ",
+    utf8!("$9"),
+    ", consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
+            'sha256:' || payload_sha256, last_reason, attempts, first_failed_at, \
+            last_failed_at, handler_version \
+     from failure where attempts >= $8 \
+     on conflict (item_key) where decision is null do update \
+     set attempts = excluded.attempts, last_failed_at = excluded.last_failed_at, \
+         reason_code = excluded.reason_code, payload_sha256 = excluded.payload_sha256, \
+         payload_ref = excluded.payload_ref, handler_version = excluded.handler_version \
+     returning q.id, (q.xmax = 0) as opened"
+);
 
 /// Keeps a message in the quarantine: one open item per key (for an identity conflict the
 /// key holds the conflicting hash, so each conflicting payload is its own item), counted.
-/// Returns the item and its count.
-pub(crate) const QUARANTINE_MESSAGE: &str = "\
-insert into inbox_quarantine as q \
-    (source, item_key, consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
-     payload_ref, reason_code, handler_version) \
-values ($1, $2, $3, $4, $5, $6, $7, 'sha256:' || $7, $8, $9) \
-on conflict (item_key) where decision is null do update \
-set attempts = q.attempts + 1, last_failed_at = now(), payload_sha256 = excluded.payload_sha256, \
-    payload_ref = excluded.payload_ref, handler_version = excluded.handler_version \
-returning q.id, q.attempts";
-
-/// Claims at commit, recording the response in the same insert; on conflict reads the
-/// winning row. See `tower_inbox_claim_at_commit` in
-/// `migrations/20261203000002_claim_at_commit.sql`.
-pub(crate) const CLAIM_AT_COMMIT: &str = "\
-select claimed, recovered, payload_sha256, handler_version, \
-       processed_at is not null as processed, response_status, response_header_names, \
-       response_header_values, response_body \
-from tower_inbox_claim_at_commit($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
-
-/// What [`LOOKUP`] reads, without its `where`.
-macro_rules! lookup_select {
-    () => {
-        "select payload_sha256, handler_version, processed_at is not null as processed, \
-                response_status, response_header_names, response_header_values, response_body \
-         from consumer_inbox"
-    };
-}
-
-/// [`LOOKUP`]'s row as text that reads the same whatever the session's settings, for the
-/// simple query that follows the `ROLLBACK` of a claim that found the key taken: a simple
-/// query answers in text format, where `bytea` follows `bytea_output` and an array element
-/// spelled `NULL` reads as a null. So the body is hex (`response_body_hex`), and the headers
-/// are one string of `<name as hex>:<value as hex>` pairs joined by commas
-/// (`response_headers_hex`, null for none).
-pub(crate) const LOOKUP_TEXT_SELECT: &str = "\
-select payload_sha256, handler_version, processed_at is not null as processed, response_status, \
-       encode(response_body, 'hex') as response_body_hex, \
-       (select string_agg(encode(convert_to(h.name, 'UTF8'), 'hex') || ':' || encode(h.value, 'hex'), \
-                          ',' order by h.n) \
-        from unnest(response_header_names, response_header_values) with ordinality as h(name, value, n)) \
-       as response_headers_hex \
-from consumer_inbox";
-
-/// The primary key's columns, in the order of [`LOOKUP`]'s parameters and of
-/// `MessageIdentity::key_parts`.
-pub(crate) const KEY_COLUMNS: [&str; 4] =
-    ["consumer_name", "producer_name", "tenant_id", "message_id"];
-
-/// Reads one inbox row, outside any transaction.
-pub(crate) const LOOKUP: &str = concat!(
-    lookup_select!(),
-    " where consumer_name = $1 and producer_name = $2 and tenant_id = $3 and message_id = $4"
+/// `$5` source, `$6` item key, `$7` fingerprint, `$8` reason, `$9` handler version. Returns
+/// the item and its count.
+pub(crate) const QUARANTINE_MESSAGE: &str = concat!(
+    "insert into tower_inbox.inbox_quarantine as q \
+         (source, item_key, consumer_name, producer_name, tenant_id, message_id, \
+          payload_sha256, payload_ref, reason_code, handler_version) \
+     values ($5, ",
+    utf8!("$6"),
+    ", ",
+    utf8!("$1"),
+    ", ",
+    utf8!("$2"),
+    ", ",
+    utf8!("$3"),
+    ", $4, $7, 'sha256:' || $7, ",
+    utf8!("$8"),
+    ", ",
+    utf8!("$9"),
+    ") \
+     on conflict (item_key) where decision is null do update \
+     set attempts = q.attempts + 1, last_failed_at = pg_catalog.now(), \
+         payload_sha256 = excluded.payload_sha256, payload_ref = excluded.payload_ref, \
+         handler_version = excluded.handler_version \
+     returning q.id, q.attempts"
 );
 
-/// Opens the transaction and claims, in one message: see `tower_inbox_claim_or_raise` in
-/// `migrations/20261203000004_claim_in_begin.sql`.
-pub(crate) const CLAIM_OR_RAISE: &str = "tower_inbox_claim_or_raise";
-
-/// The SQLSTATE `tower_inbox_claim_or_raise` raises when the key is already taken.
-pub(crate) const TAKEN: &str = "TICL1";
+/// Whether a message produced at `$1` is older than a window of `$2` seconds, on the
+/// database's clock (the clock that stamps `received_at`, which the purge compares), and
+/// that window's oldest accepted time.
+pub(crate) const EXPIRED: &str = "\
+select $1 < pg_catalog.now() - pg_catalog.make_interval(secs => $2) as expired, \
+       pg_catalog.now() - pg_catalog.make_interval(secs => $2) as oldest_accepted";

@@ -11,21 +11,25 @@ use super::{set, MetricLabels};
 use crate::inbox::InboxError;
 use crate::middleware::ConfigError;
 use crate::quarantine::QuarantineSource;
+use crate::schema::Schema;
 
 const INBOX: &str = "\
-select consumer_name, count(*)::int8, \
-       extract(epoch from now() - min(received_at))::float8 \
-from consumer_inbox group by consumer_name order by consumer_name";
+select consumer_name, pg_catalog.count(*)::int8, \
+       extract(epoch from pg_catalog.now() - pg_catalog.min(received_at))::float8 \
+from tower_inbox.consumer_inbox group by consumer_name order by consumer_name";
 
-const INBOX_BYTES: &str =
-    "select coalesce(pg_total_relation_size(to_regclass('consumer_inbox')), 0)::int8";
+const INBOX_BYTES: &str = "\
+select coalesce(pg_catalog.pg_total_relation_size( \
+           pg_catalog.to_regclass('tower_inbox.consumer_inbox')), 0)::int8";
 
 const OUTBOX: &str = "\
-select count(*)::int8, coalesce(extract(epoch from now() - min(created_at)), 0)::float8 \
-from message_outbox where status = 'pending'";
+select pg_catalog.count(*)::int8, \
+       coalesce(extract(epoch from pg_catalog.now() - pg_catalog.min(created_at)), 0)::float8 \
+from tower_inbox.message_outbox where status = 'pending'";
 
 const QUARANTINE: &str = "\
-select source, count(*)::int8 from inbox_quarantine where decision is null group by source";
+select source, pg_catalog.count(*)::int8 from tower_inbox.inbox_quarantine \
+where decision is null group by source";
 
 /// The inbox rows of one consumer.
 #[derive(Debug, Clone, PartialEq)]
@@ -74,6 +78,7 @@ pub struct Stats {
 #[derive(Debug)]
 pub struct StatsTask {
     pool: PgPool,
+    schema: Schema,
     labels: MetricLabels,
     /// Consumers reported before: a consumer whose rows are all gone is set to zero
     /// rather than left at its last value.
@@ -85,9 +90,16 @@ impl StatsTask {
     pub fn new(pool: PgPool) -> Self {
         Self {
             pool,
+            schema: Schema::default(),
             labels: MetricLabels::default(),
             seen: BTreeSet::new(),
         }
+    }
+
+    /// The tables are in `schema` instead of the default one.
+    pub fn with_schema(mut self, schema: Schema) -> Self {
+        self.schema = schema;
+        self
     }
 
     /// Without the consumer label ([`MetricLabels::none`]) the per-consumer gauges are
@@ -109,19 +121,19 @@ impl StatsTask {
 
     async fn read(&self) -> Result<Stats, InboxError> {
         let classify = InboxError::classify;
-        let inbox: Vec<(String, i64, f64)> = sqlx::query_as(INBOX)
+        let inbox: Vec<(String, i64, f64)> = sqlx::query_as(&self.schema.sql(INBOX))
             .fetch_all(&self.pool)
             .await
             .map_err(classify)?;
-        let inbox_table_bytes: i64 = sqlx::query_scalar(INBOX_BYTES)
+        let inbox_table_bytes: i64 = sqlx::query_scalar(&self.schema.sql(INBOX_BYTES))
             .fetch_one(&self.pool)
             .await
             .map_err(classify)?;
-        let (outbox_pending, outbox_age): (i64, f64) = sqlx::query_as(OUTBOX)
+        let (outbox_pending, outbox_age): (i64, f64) = sqlx::query_as(&self.schema.sql(OUTBOX))
             .fetch_one(&self.pool)
             .await
             .map_err(classify)?;
-        let quarantine: Vec<(String, i64)> = sqlx::query_as(QUARANTINE)
+        let quarantine: Vec<(String, i64)> = sqlx::query_as(&self.schema.sql(QUARANTINE))
             .fetch_all(&self.pool)
             .await
             .map_err(classify)?;

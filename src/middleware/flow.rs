@@ -16,13 +16,12 @@ use tower::Service;
 use tracing::Instrument;
 
 use super::layer::{InboxConfig, IDEMPOTENT_REPLAYED};
-use crate::cache::Cached;
 use crate::extract::TxSlot;
 use crate::fingerprint::{CommandPayload, Fingerprint};
 use crate::identity::MessageIdentity;
 use crate::inbox::{
-    Claim, ClaimMode, ClaimedMessage, Finished, Inbox, InboxEntry, InboxError, RecordedResponse,
-    RetryReason,
+    headers_len, Claim, ClaimMode, ClaimedMessage, Finished, Inbox, InboxEntry, InboxError,
+    RecordedResponse, RetryReason,
 };
 use crate::key::{KeyError, MessageKey};
 use crate::metrics as m;
@@ -100,7 +99,6 @@ where
     let span = tracing::debug_span!(
         "inbox.command",
         consumer = %identity.consumer(),
-        producer = %identity.producer().name(),
         message_id = %identity.message_id(),
         outcome = tracing::field::Empty,
     );
@@ -206,21 +204,6 @@ struct Command {
     body: Bytes,
 }
 
-/// A finished command found before claiming.
-enum Known {
-    Cached(Arc<Cached>),
-    Read(InboxEntry),
-}
-
-impl Known {
-    fn entry(&self) -> &InboxEntry {
-        match self {
-            Self::Cached(hit) => &hit.entry,
-            Self::Read(entry) => entry,
-        }
-    }
-}
-
 /// Where one attempt at a command ended.
 enum Step {
     /// The answer for the client, with the outcome for the command's span.
@@ -241,7 +224,7 @@ impl Command {
         ResBody: http_body::Body<Data = Bytes> + Send + 'static,
         ResBody::Error: Into<axum::BoxError>,
     {
-        if let Some(Step::Answer(outcome, response)) = self.answer_known().await {
+        if let Some(Step::Answer(outcome, response)) = self.answer_cached().await {
             tracing::Span::current().record("outcome", outcome);
             return Ok(response);
         }
@@ -306,17 +289,32 @@ impl Command {
                     )
                     .await
             }
-            // Nothing is claimed yet: the claim is the commit's last statement.
-            ClaimMode::AtCommit => config
-                .inbox
-                .begin_at_commit(
-                    self.identity.clone(),
-                    self.fingerprint,
-                    &config.handler_version,
-                    config.in_flight_wait,
-                )
-                .await
-                .map(Claim::Claimed),
+            // Nothing is claimed yet: the claim is the commit's last statement. A finished
+            // (or in-flight) duplicate is still answered before the handler runs.
+            ClaimMode::AtCommit => {
+                let inbox = &config.inbox;
+                let deadline = std::time::Instant::now() + config.in_flight_wait;
+                match inbox
+                    .answer_before_claim(&self.identity, &self.fingerprint, deadline)
+                    .await
+                {
+                    Ok(Some(answer)) => {
+                        let labels = inbox.metric_labels().of(&self.identity);
+                        crate::inbox::count_claim(&answer, &labels);
+                        Ok(answer)
+                    }
+                    Ok(None) => inbox
+                        .begin_at_commit(
+                            self.identity.clone(),
+                            self.fingerprint,
+                            &config.handler_version,
+                            config.in_flight_wait,
+                        )
+                        .await
+                        .map(Claim::Claimed),
+                    Err(err) => Err(err),
+                }
+            }
         };
         let step = match claim {
             Ok(Claim::Claimed(message)) => {
@@ -376,7 +374,6 @@ impl Command {
         let span = tracing::debug_span!(
             "inbox.replay",
             consumer = %self.identity.consumer(),
-            producer = %self.identity.producer().name(),
             message_id = %self.identity.message_id(),
             status = entry.response.as_ref().map(|r| r.status),
         );
@@ -408,47 +405,19 @@ impl Command {
         Step::Answer("conflict", problem.into_response())
     }
 
-    /// Answers a command known to be finished without a transaction: from the replay cache
-    /// if it holds it, else (with `lookup_before_claim`) from a primary-key read. The
+    /// Answers a command this process finished from the replay cache, if it holds it: the
     /// recorded response, or the conflict if the payload differs; `None` to claim.
-    async fn answer_known(&self) -> Option<Step> {
+    async fn answer_cached(&self) -> Option<Step> {
         let config = &self.config;
+        let hit = config.replay_cache.as_ref()?.get(&self.identity)?;
         let labels = config.inbox.metric_labels();
-        let known = match config
-            .replay_cache
-            .as_ref()
-            .and_then(|c| c.get(&self.identity))
-        {
-            Some(hit) => {
-                m::count(m::CACHE_HITS, &labels.of_consumer(&config.consumer), 1);
-                Known::Cached(hit)
-            }
-            None if config.lookup_before_claim => {
-                // Committed rows only: a row in flight is invisible here, and the claim waits
-                // for it. An error is left to the claim, which meets it again and answers it;
-                // so is a row without a record yet (a consumer that records separately).
-                let entry = config.inbox.lookup(&self.identity).await.ok()??;
-                if !entry.processed {
-                    return None;
-                }
-                Known::Read(entry)
-            }
-            None => return None,
-        };
-        let same_payload = match &known {
-            Known::Cached(hit) => hit.fingerprint == self.fingerprint,
-            Known::Read(entry) => entry.payload_sha256 == self.fingerprint.to_hex(),
-        };
-        if !same_payload {
+        m::count(m::CACHE_HITS, &labels.of_consumer(&config.consumer), 1);
+        if hit.fingerprint != self.fingerprint {
             m::count(m::IDENTITY_CONFLICTS, &labels.of(&self.identity), 1);
-            return Some(self.conflict(known.entry()).await);
+            return Some(self.conflict(&hit.entry).await);
         }
         m::count(m::DUPLICATES, &labels.of(&self.identity), 1);
-        let step = self.replayed(known.entry());
-        if let (Known::Read(entry), Some(cache)) = (known, &config.replay_cache) {
-            cache.insert(&self.identity, self.fingerprint, entry);
-        }
-        Some(step)
+        Some(self.replayed(&hit.entry))
     }
 
     async fn run_handler<S, ResBody>(&self, mut service: S, slot: TxSlot) -> Result<Step, S::Error>
@@ -467,7 +436,6 @@ impl Command {
         let handler_span = tracing::debug_span!(
             "inbox.handler",
             consumer = %self.identity.consumer(),
-            producer = %self.identity.producer().name(),
             message_id = %self.identity.message_id(),
             status = tracing::field::Empty,
         );
@@ -536,7 +504,15 @@ impl Command {
             return Ok(Step::Answer("transaction-leaked", problem.into_response()));
         };
         let (response_parts, response_body) = response.into_parts();
-        let body = match read_limited(response_body, config.response_limit).await {
+        let headers = recordable_headers(&response_parts.headers);
+        // Headers count against the recording limit like the body: both are stored and
+        // replayed. The body gets what the headers leave.
+        let body_limit = config.response_limit.checked_sub(headers_len(&headers));
+        let read = match body_limit {
+            Some(limit) => read_limited(response_body, limit).await,
+            None => Err(ReadError::TooLarge),
+        };
+        let body = match read {
             Ok(body) => body,
             Err(err) => {
                 discard(message).await;
@@ -545,7 +521,8 @@ impl Command {
                         ProblemKind::ResponseTooLarge,
                         "response-too-large",
                         format!(
-                            "the response is over the {} byte recording limit; nothing was committed",
+                            "the response (headers and body) is over the {} byte recording limit; \
+                             nothing was committed",
                             config.response_limit
                         ),
                     ),
@@ -564,7 +541,7 @@ impl Command {
         };
         let recorded = RecordedResponse {
             status: response_parts.status.as_u16(),
-            headers: recordable_headers(&response_parts.headers),
+            headers,
             body: body.clone(),
         };
         // From here the outcome is the database's, not the handler's.
@@ -722,7 +699,8 @@ impl Attempt {
 }
 
 async fn record_failure(f: FailedAttempt, reason: &'static str) {
-    tracing::warn!(identity = %f.identity, reason, "attempt rolled back");
+    let (consumer, message_id) = (f.identity.consumer(), f.identity.message_id());
+    tracing::warn!(consumer, %message_id, reason, "attempt rolled back");
     let recorded = f
         .inbox
         .record_failure(
@@ -735,11 +713,11 @@ async fn record_failure(f: FailedAttempt, reason: &'static str) {
         .await;
     match recorded {
         Ok(Some(item)) => {
-            tracing::warn!(identity = %f.identity, item, "command quarantined after repeated failures");
+            tracing::warn!(consumer, %message_id, item, "command quarantined after repeated failures");
         }
         Ok(None) => {}
         Err(err) => {
-            tracing::error!(identity = %f.identity, error = %err, "could not count the failed attempt");
+            tracing::error!(consumer, %message_id, error = %err, "could not count the failed attempt");
         }
     }
 }
@@ -760,7 +738,15 @@ async fn discard(message: ClaimedMessage) {
 
 fn database_problem(config: &InboxConfig, err: &InboxError) -> Response<Body> {
     tracing::error!(error = %err, "inbox database error");
-    let problem = if err.is_retryable() {
+    let problem = if err.may_have_committed() {
+        Problem::new(
+            ProblemKind::Unavailable,
+            "the connection to the database failed while the command was committing, so \
+             whether it committed is unknown; a retry with the same key is safe: it replays \
+             the response if the command committed, or runs it if it did not",
+        )
+        .retry_after(config.retry_after_secs)
+    } else if err.is_retryable() {
         Problem::new(
             ProblemKind::Unavailable,
             "the service cannot reach its database; nothing was committed, retry with the same key",

@@ -16,6 +16,7 @@ use crate::outcome::OutcomePolicy;
 use crate::producer::ProducerScope;
 use crate::replay::{ConsumerNameError, ReplayPolicy};
 use crate::retry::TransientRetry;
+use crate::schema::Schema;
 
 /// The header the command ID is read from by default.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -54,7 +55,6 @@ pub(crate) struct InboxConfig {
     pub(crate) transient_retry: TransientRetry,
     pub(crate) claim_mode: ClaimMode,
     pub(crate) replay_cache: Option<ReplayCache>,
-    pub(crate) lookup_before_claim: bool,
 }
 
 /// A Tower layer that makes guarded requests exactly-once commands.
@@ -93,7 +93,8 @@ impl InboxLayer {
             metric_labels: MetricLabels::default(),
             claim_mode: ClaimMode::default(),
             replay_cache: None,
-            lookup_before_claim: false,
+            lookup_before_claim: true,
+            schema: Schema::default(),
         }
     }
 }
@@ -126,12 +127,13 @@ pub enum ConfigError {
     /// one client read another's recorded responses, or refuse every request.
     #[error("no producer scope: call .producer(...) with FromExtension, TrustedHeader or ConstantProducer")]
     NoProducerScope,
-    /// The consumer name is empty or too long.
-    #[error("the consumer name must be 1 to 255 bytes without control characters")]
+    /// The consumer name is not 1 to 255 bytes of ASCII letters, digits and `-`, `_`, `.`,
+    /// `:`, `/`, `@`.
+    #[error("the consumer name must be 1 to 255 bytes of ASCII letters, digits and '-', '_', '.', ':', '/', '@' (with '@' and the version, for a versioned projection)")]
     BadConsumerName,
-    /// The handler version is empty or too long, or contains `@` under
+    /// The handler version is not 1 to 255 visible ASCII characters, or contains `@` under
     /// [`ReplayPolicy::VersionedProjection`].
-    #[error("the handler version must be 1 to 255 bytes without control characters (and without '@' for a versioned projection)")]
+    #[error("the handler version must be 1 to 255 visible ASCII characters ('!' to '~'), without '@' for a versioned projection")]
     BadHandlerVersion,
     /// A limit is zero, or the key limit is over 255.
     #[error("bad limit: {0}")]
@@ -182,9 +184,18 @@ pub struct InboxLayerBuilder {
     claim_mode: ClaimMode,
     replay_cache: Option<ReplayCache>,
     lookup_before_claim: bool,
+    schema: Schema,
 }
 
 impl InboxLayerBuilder {
+    /// The schema the inbox tables are in (default `tower_inbox`); create them there with
+    /// [`migrate_schema`](crate::migrate_schema). Every statement names it, so a handler
+    /// that changes its session's `search_path` cannot redirect the protocol.
+    pub fn schema(mut self, schema: Schema) -> Self {
+        self.schema = schema;
+        self
+    }
+
     /// When the command's identity is claimed: first, before the handler (the default), or
     /// at commit, after it, with the recorded response in the same statement. See
     /// [`ClaimMode`] for the trade-off.
@@ -200,12 +211,12 @@ impl InboxLayerBuilder {
         self
     }
 
-    /// Reads the key's row before opening a transaction (default `false`). A duplicate of a
+    /// Reads the key's row before opening a transaction (default `true`). A duplicate of a
     /// committed command is then answered from that one primary-key read (or refused as a
-    /// conflict), with no transaction and no write; a first-seen command pays the read on
-    /// top of its claim. Worth it where duplicates are frequent: clients that retry
-    /// eagerly, retry storms after an outage. The read sees committed rows only, so a
-    /// duplicate of an in-flight command still goes to the claim, which waits for it.
+    /// conflict), with no transaction and no write, and a duplicate of an in-flight one
+    /// waits without opening a transaction; a first-seen command pays the read (one round
+    /// trip) before its claim. Turn it off where duplicates are rare and every round trip
+    /// counts: a duplicate then learns it is one from the claim, one round trip more.
     pub fn lookup_before_claim(mut self, on: bool) -> Self {
         self.lookup_before_claim = on;
         self
@@ -303,7 +314,8 @@ impl InboxLayerBuilder {
     }
 
     /// How long a duplicate waits for an in-flight original before `409 in-progress`
-    /// (default 2 s). The waiting request holds a pooled connection meanwhile.
+    /// (default 2 s). It waits in this process, polling the key, and holds no pooled
+    /// connection between polls.
     pub fn in_flight_wait(mut self, wait: Duration) -> Self {
         self.in_flight_wait = wait;
         self
@@ -378,8 +390,10 @@ impl InboxLayerBuilder {
         Ok(InboxLayer {
             config: Arc::new(InboxConfig {
                 inbox: Inbox::new(self.pool)
+                    .with_schema(self.schema)
                     .with_isolation(self.isolation)
-                    .with_metric_labels(self.metric_labels),
+                    .with_metric_labels(self.metric_labels)
+                    .with_lookup_first(self.lookup_before_claim),
                 consumer: consumer.into(),
                 producer,
                 producer_missing_status: self.producer_missing_status,
@@ -399,7 +413,6 @@ impl InboxLayerBuilder {
                 transient_retry: self.transient_retry,
                 claim_mode: self.claim_mode,
                 replay_cache: self.replay_cache,
-                lookup_before_claim: self.lookup_before_claim,
             }),
         })
     }

@@ -9,9 +9,9 @@ use metrics::Label;
 use serde::Serialize;
 use tracing::Instrument;
 
-use super::is_name;
 use super::transient::TransientError;
 use crate::fingerprint::Fingerprint;
+use crate::identity::{is_consumer_name, is_handler_version};
 use crate::identity::{MessageIdentity, Producer};
 use crate::inbox::RetryReason;
 use crate::inbox::{Claim, ClaimedMessage, Inbox, InboxError};
@@ -22,7 +22,7 @@ use crate::retry::TransientRetry;
 
 /// What the producer name of a migration's steps starts with: the steps of migration `name`
 /// are claimed as producer `migration:<name>`.
-pub const MIGRATION_PRODUCER_PREFIX: &str = "migration:";
+pub const MIGRATION_PRODUCER_PREFIX: &str = crate::identity::RESERVED_PRODUCER_PREFIX;
 
 /// A named, controlled correction of what a handler already did, run as steps that are each
 /// exactly-once.
@@ -114,11 +114,12 @@ pub enum MigrationDefinitionError {
     /// producer name (255 bytes with the `migration:` prefix).
     #[error("the migration name must be 1 to 245 bytes without control characters")]
     BadName,
-    /// The consumer name is empty, longer than 255 bytes or contains a control character.
-    #[error("the consumer name must be 1 to 255 bytes without control characters")]
+    /// The consumer name is not 1 to 255 bytes of ASCII letters, digits and `-`, `_`, `.`,
+    /// `:`, `/`, `@`.
+    #[error("the consumer name must be 1 to 255 bytes of ASCII letters, digits and '-', '_', '.', ':', '/', '@'")]
     BadConsumerName,
-    /// The handler version is empty, longer than 255 bytes or contains a control character.
-    #[error("the handler version must be 1 to 255 bytes without control characters")]
+    /// The handler version is not 1 to 255 visible ASCII characters.
+    #[error("the handler version must be 1 to 255 visible ASCII characters ('!' to '~')")]
     BadHandlerVersion,
     /// The operation ID is not a valid message ID.
     #[error("bad operation ID: {0}")]
@@ -164,17 +165,17 @@ impl CompensatedMigrationBuilder {
 
     /// Checks the names and builds the migration.
     pub fn build(self) -> Result<CompensatedMigration, MigrationDefinitionError> {
-        if !is_name(&self.consumer) {
+        if !is_consumer_name(&self.consumer) {
             return Err(MigrationDefinitionError::BadConsumerName);
         }
-        if !is_name(&self.handler_version) {
+        if !is_handler_version(&self.handler_version) {
             return Err(MigrationDefinitionError::BadHandlerVersion);
         }
         if self.name.is_empty() {
             return Err(MigrationDefinitionError::BadName);
         }
-        let producer = Producer::new(format!("{MIGRATION_PRODUCER_PREFIX}{}", self.name))
-            .map_err(|_| MigrationDefinitionError::BadName)?;
+        let producer =
+            Producer::migration(&self.name).map_err(|_| MigrationDefinitionError::BadName)?;
         Ok(CompensatedMigration {
             inbox: self.inbox,
             name: self.name.into(),

@@ -121,6 +121,8 @@ pub use migration::{
 };
 pub use transient::TransientError;
 
+use crate::identity::{is_consumer_name, is_handler_version};
+
 /// How the inbox treats a message that an earlier handler version already processed.
 ///
 /// The third policy, the compensated migration, is not a variant: it is an operation run on
@@ -140,13 +142,13 @@ pub enum ReplayPolicy {
 /// A consumer name or handler version that cannot make a consumer identity.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConsumerNameError {
-    /// The consumer name (with the version, for a versioned projection) is empty, longer
-    /// than 255 bytes or contains a control character.
-    #[error("the consumer name must be 1 to 255 bytes without control characters")]
+    /// The consumer name is not 1 to 255 bytes of ASCII letters, digits and `-`, `_`, `.`,
+    /// `:`, `/`, `@` (with the version, for a versioned projection: also at most 255 bytes).
+    #[error("the consumer name must be 1 to 255 bytes of ASCII letters, digits and '-', '_', '.', ':', '/', '@' (with '@' and the version, for a versioned projection)")]
     BadConsumerName,
-    /// The handler version is empty, longer than 255 bytes or contains a control character,
-    /// or contains `@` under [`ReplayPolicy::VersionedProjection`].
-    #[error("the handler version must be 1 to 255 bytes without control characters (and without '@' for a versioned projection)")]
+    /// The handler version is not 1 to 255 visible ASCII characters, or contains `@` under
+    /// [`ReplayPolicy::VersionedProjection`].
+    #[error("the handler version must be 1 to 255 visible ASCII characters ('!' to '~'), without '@' for a versioned projection")]
     BadHandlerVersion,
 }
 
@@ -174,10 +176,10 @@ impl ReplayPolicy {
         consumer: &str,
         handler_version: &str,
     ) -> Result<String, ConsumerNameError> {
-        if !is_name(handler_version) {
+        if !is_handler_version(handler_version) {
             return Err(ConsumerNameError::BadHandlerVersion);
         }
-        if !is_name(consumer) {
+        if !is_consumer_name(consumer) {
             return Err(ConsumerNameError::BadConsumerName);
         }
         let name = match self {
@@ -187,17 +189,12 @@ impl ReplayPolicy {
             }
             Self::VersionedProjection => format!("{consumer}@{handler_version}"),
         };
-        if is_name(&name) {
+        if name.len() <= 255 {
             Ok(name)
         } else {
             Err(ConsumerNameError::BadConsumerName)
         }
     }
-}
-
-/// What the inbox accepts as a consumer name or handler version.
-pub(crate) fn is_name(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 255 && !s.chars().any(char::is_control)
 }
 
 #[cfg(test)]
@@ -230,6 +227,18 @@ mod tests {
                 policy.consumer_name("c", "1\n"),
                 Err(ConsumerNameError::BadHandlerVersion)
             );
+            assert_eq!(
+                policy.consumer_name("c", "version 2"),
+                Err(ConsumerNameError::BadHandlerVersion)
+            );
+            for bad in ["credits service", "crédits", "a;b", "a\tb", "a'b"] {
+                assert_eq!(
+                    policy.consumer_name(bad, "1"),
+                    Err(ConsumerNameError::BadConsumerName),
+                    "{bad:?}"
+                );
+            }
+            assert!(policy.consumer_name("team/credits.v2:eu-1_a", "1").is_ok());
         }
         // The plain policy never splits the name, so '@' is just a character there.
         assert_eq!(

@@ -32,7 +32,8 @@ pub struct ExpiredMessage {
     pub identity: MessageIdentity,
     /// When its producer produced it.
     pub produced_at: OffsetDateTime,
-    /// The oldest production time accepted when it arrived: now minus the window.
+    /// The oldest production time accepted when it arrived: the database's now minus the
+    /// window.
     pub oldest_accepted: OffsetDateTime,
     /// The open quarantine item (source `expired-message`, reason `retention-expired`).
     pub quarantine_id: i64,
@@ -51,8 +52,9 @@ pub struct ExpiredMessage {
 /// [`EXPIRED`](crate::metrics::EXPIRED) (and [`QUARANTINE_MOVES`](crate::metrics::QUARANTINE_MOVES)
 /// when the item is new) and return [`GuardedClaim::Expired`].
 ///
-/// "Now" is the application's clock; the policy's safety margin must cover its skew against
-/// the producer's clock and the database's (which stamps `received_at` for the purge).
+/// "Now" is the database's clock, the one that stamps `received_at` for the purge, so the
+/// guard and the purge agree on what the window holds however far this process's clock is
+/// off. The policy's safety margin must still cover the producer's clock skew.
 ///
 /// The HTTP layer has no production timestamp: a request carries only its key. There the
 /// window alone protects, so it must cover every way a request can be retried.
@@ -139,7 +141,7 @@ impl RetentionGuard {
         wait: Duration,
         produced_at: OffsetDateTime,
     ) -> Result<GuardedClaim, InboxError> {
-        let message = match self
+        let mut message = match self
             .inbox
             .claim(identity, fingerprint, handler_version, wait)
             .await?
@@ -147,8 +149,12 @@ impl RetentionGuard {
             Claim::Claimed(message) => message,
             answered => return Ok(GuardedClaim::Claim(answered)),
         };
-        let oldest_accepted = oldest_accepted(OffsetDateTime::now_utc(), self.window);
-        if produced_at >= oldest_accepted {
+        // The database's clock, not this process's: the purge compares `received_at`, which
+        // the database stamped, against its own `now()`.
+        let (expired, oldest_accepted) = message
+            .produced_before_window(produced_at, self.window)
+            .await?;
+        if !expired {
             return Ok(GuardedClaim::Claim(Claim::Claimed(message)));
         }
         let identity = message.identity().clone();
@@ -166,7 +172,8 @@ impl RetentionGuard {
         let labels = self.inbox.metric_labels().of_consumer(identity.consumer());
         count(EXPIRED, &labels, 1);
         tracing::warn!(
-            %identity,
+            consumer = identity.consumer(),
+            message_id = %identity.message_id(),
             %produced_at,
             %oldest_accepted,
             quarantine_id,
@@ -179,13 +186,4 @@ impl RetentionGuard {
             quarantine_id,
         }))
     }
-}
-
-/// `now - window`. A policy's window is at most a thousand years, so this never falls off
-/// the calendar; if it ever did, accepting nothing older than now is the safe answer.
-fn oldest_accepted(now: OffsetDateTime, window: Duration) -> OffsetDateTime {
-    time::Duration::try_from(window)
-        .ok()
-        .and_then(|w| now.checked_sub(w))
-        .unwrap_or(now)
 }

@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use ::metrics::Label;
 use sqlx::{PgPool, Postgres, Transaction};
+
+use crate::schema::Schema;
 use time::OffsetDateTime;
 use tokio::time::MissedTickBehavior;
 use tracing::Instrument;
@@ -220,6 +222,7 @@ const QUARANTINE: &[Statement] = &[Statement {
 #[derive(Debug, Clone)]
 pub struct Purger {
     pool: PgPool,
+    schema: Schema,
     targets: Vec<Target>,
     batch_size: i64,
     lock_timeout: String,
@@ -231,6 +234,7 @@ pub struct Purger {
 #[must_use]
 pub struct PurgerBuilder {
     pool: PgPool,
+    schema: Schema,
     inbox: Option<Duration>,
     outbox: Option<Duration>,
     quarantine: Option<Duration>,
@@ -254,6 +258,7 @@ impl Purger {
     pub fn builder(pool: PgPool) -> PurgerBuilder {
         PurgerBuilder {
             pool,
+            schema: Schema::default(),
             inbox: None,
             outbox: None,
             quarantine: None,
@@ -265,6 +270,12 @@ impl Purger {
 }
 
 impl PurgerBuilder {
+    /// The tables are in `schema` instead of the default one.
+    pub fn schema(mut self, schema: Schema) -> Self {
+        self.schema = schema;
+        self
+    }
+
     /// Purge `consumer_inbox` (processed rows received and processed before the window) and
     /// `consumer_inbox_failure` (last failure before the window).
     pub fn inbox(mut self, policy: RetentionPolicy) -> Self {
@@ -367,6 +378,7 @@ impl PurgerBuilder {
         }
         Ok(Purger {
             pool: self.pool,
+            schema: self.schema,
             targets,
             batch_size: i64::from(self.batch_size),
             lock_timeout: format!("{}ms", self.lock_timeout.as_millis().max(1)),
@@ -528,7 +540,8 @@ impl Purger {
         cutoff: OffsetDateTime,
     ) -> Result<u64, InboxError> {
         let mut tx = self.begin().await?;
-        let rows: i64 = sqlx::query_scalar(statement)
+        let statement = self.schema.sql(statement);
+        let rows: i64 = sqlx::query_scalar(&statement)
             .bind(cutoff)
             .fetch_one(&mut *tx)
             .await
@@ -543,7 +556,8 @@ impl Purger {
         cutoff: OffsetDateTime,
     ) -> Result<u64, InboxError> {
         let mut tx = self.begin().await?;
-        let deleted = sqlx::query(statement)
+        let statement = self.schema.sql(statement);
+        let deleted = sqlx::query(&statement)
             .bind(cutoff)
             .bind(self.batch_size)
             .execute(&mut *tx)

@@ -1,5 +1,5 @@
-//! The retention statements, next to `migrations/20261203000001_retention.sql` (indexes and
-//! the `expired-message` quarantine source).
+//! The retention statements, next to `migrations/20261204000003_retention.sql` (the purge's
+//! indexes).
 //!
 //! Each purgeable set is written once, as a `from ... where ...` fragment over `$1` (the
 //! cutoff), and both its dry-run count and its batch delete are built from that fragment:
@@ -7,11 +7,11 @@
 
 /// The cutoff of a window of `$1` seconds, on the database's clock (the one that wrote
 /// `received_at`, `delivered_at` and `decided_at`).
-pub(crate) const CUTOFF: &str = "select now() - make_interval(secs => $1)";
+pub(crate) const CUTOFF: &str = "select pg_catalog.now() - pg_catalog.make_interval(secs => $1)";
 
 /// Bounds every lock wait of the batch's transaction, so a purge never queues behind (and
 /// holds up claims behind) a lock it cannot get soon.
-pub(crate) const LOCK_TIMEOUT: &str = "select set_config('lock_timeout', $1, true)";
+pub(crate) const LOCK_TIMEOUT: &str = "select pg_catalog.set_config('lock_timeout', $1, true)";
 
 /// No open quarantine item refers to the command of row `i` (any source: a conflict, a
 /// failing command, a dead effect of it). Deleting that row would drop what the item is
@@ -19,7 +19,7 @@ pub(crate) const LOCK_TIMEOUT: &str = "select set_config('lock_timeout', $1, tru
 macro_rules! no_open_item {
     () => {
         "not exists ( \
-             select 1 from inbox_quarantine q \
+             select 1 from tower_inbox.inbox_quarantine q \
              where q.decision is null and q.consumer_name = i.consumer_name \
                and q.producer_name = i.producer_name and q.tenant_id = i.tenant_id \
                and q.message_id = i.message_id)"
@@ -37,7 +37,7 @@ macro_rules! no_open_item {
 macro_rules! inbox_expired {
     () => {
         concat!(
-            "from consumer_inbox i \
+            "from tower_inbox.consumer_inbox i \
              where i.received_at < $1 and i.processed_at < $1 \
                and i.producer_name not like 'migration:%' and ",
             no_open_item!()
@@ -50,7 +50,7 @@ macro_rules! inbox_expired {
 macro_rules! failures_expired {
     () => {
         concat!(
-            "from consumer_inbox_failure i where i.last_failed_at < $1 and ",
+            "from tower_inbox.consumer_inbox_failure i where i.last_failed_at < $1 and ",
             no_open_item!()
         )
     };
@@ -59,7 +59,7 @@ macro_rules! failures_expired {
 /// Effects delivered before the cutoff.
 macro_rules! delivered_expired {
     () => {
-        "from message_outbox o \
+        "from tower_inbox.message_outbox o \
          where o.status = 'delivered' and o.delivered_at < $1"
     };
 }
@@ -68,14 +68,14 @@ macro_rules! delivered_expired {
 /// open item (a dead effect reopened since).
 macro_rules! discarded_expired {
     () => {
-        "from message_outbox o \
+        "from tower_inbox.message_outbox o \
          where o.status = 'dead' \
            and exists ( \
-               select 1 from inbox_quarantine q \
+               select 1 from tower_inbox.inbox_quarantine q \
                where q.effect_id = o.effect_id and q.source = 'dead-effect' \
                  and q.decision = 'discard' and q.decided_at < $1) \
            and not exists ( \
-               select 1 from inbox_quarantine q \
+               select 1 from tower_inbox.inbox_quarantine q \
                where q.effect_id = o.effect_id and q.decision is null)"
     };
 }
@@ -89,13 +89,13 @@ macro_rules! discarded_expired {
 ///   the outbox purge may delete it.
 macro_rules! decided_expired {
     () => {
-        "from inbox_quarantine q \
+        "from tower_inbox.inbox_quarantine q \
          where q.decision is not null and q.decided_at < $1 \
            and coalesce(q.recovered_at, q.decided_at) < $1 \
            and not (q.source = 'handler-failure' and q.decision = 'repair' \
                     and q.recovered_at is null) \
            and not (q.source = 'dead-effect' and exists ( \
-               select 1 from message_outbox o \
+               select 1 from tower_inbox.message_outbox o \
                where o.effect_id = q.effect_id and o.status <> 'delivered'))"
     };
 }
@@ -111,9 +111,9 @@ macro_rules! purgeable {
         $count:ident, $delete:ident: $table:literal as $alias:literal by $key:literal,
         rows $set:ident, oldest $order:literal
     ) => {
-        pub(crate) const $count: &str = concat!("select count(*) ", $set!());
+        pub(crate) const $count: &str = concat!("select pg_catalog.count(*) ", $set!());
         pub(crate) const $delete: &str = concat!(
-            "delete from ",
+            "delete from tower_inbox.",
             $table,
             " where (",
             $key,

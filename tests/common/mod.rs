@@ -91,7 +91,7 @@ impl TestApp {
     }
 
     pub async fn inbox_rows(&self) -> i64 {
-        sqlx::query_scalar("select count(*) from consumer_inbox")
+        sqlx::query_scalar("select count(*) from tower_inbox.consumer_inbox")
             .fetch_one(&self.pool)
             .await
             .expect("inbox count")
@@ -101,7 +101,7 @@ impl TestApp {
     pub async fn inbox_row(&self, producer: &str, key: &str) -> Option<InboxRow> {
         sqlx::query_as::<_, (String, String, bool, Option<i16>, Option<Vec<u8>>)>(
             "select payload_sha256, handler_version, processed_at is not null, response_status, response_body
-             from consumer_inbox where producer_name = $1 and message_id = $2",
+             from tower_inbox.consumer_inbox where producer_name = $1 and message_id = $2",
         )
         .bind(producer)
         .bind(key)
@@ -120,7 +120,7 @@ impl TestApp {
     /// `(attempts, last_reason)` of the failure record for a key.
     pub async fn failures(&self, producer: &str, key: &str) -> Option<(i32, String)> {
         sqlx::query_as(
-            "select attempts, last_reason from consumer_inbox_failure
+            "select attempts, last_reason from tower_inbox.consumer_inbox_failure
              where producer_name = $1 and message_id = $2",
         )
         .bind(producer)

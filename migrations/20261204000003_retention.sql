@@ -1,5 +1,4 @@
--- tower-inbox: retention. Indexes for the purge's scans and a quarantine source for the
--- retention guard.
+-- tower-inbox: indexes for the retention purge's scans.
 --
 -- On a large live table, create these indexes beforehand with CREATE INDEX CONCURRENTLY
 -- under the same names: this migration then leaves them as they are (IF NOT EXISTS) instead
@@ -31,10 +30,3 @@ create index if not exists inbox_quarantine_open_identity
 -- "Was this dead effect discarded, and is it still open?", asked per dead outbox row.
 create index if not exists inbox_quarantine_effect
     on inbox_quarantine (effect_id) where effect_id is not null;
-
--- First-seen messages older than the retention window, refused by the guard: the inbox may
--- have forgotten them, so processing them as new could apply them twice.
-alter table inbox_quarantine
-    drop constraint inbox_quarantine_source_check,
-    add constraint inbox_quarantine_source_check
-        check (source in ('identity-conflict', 'handler-failure', 'dead-effect', 'expired-message'));

@@ -31,11 +31,15 @@ create table message_outbox (
 -- The dispatcher's "due and not leased" scan touches only pending rows.
 create index message_outbox_due on message_outbox (next_attempt_at) where status = 'pending';
 
--- Wakes dispatchers when effects commit (NOTIFY is delivered at commit, never for a rollback).
+-- Wakes dispatchers when effects commit (NOTIFY is delivered at commit, never for a
+-- rollback). Its search_path is pinned: nothing on the caller's path can stand in for
+-- pg_notify.
 create function tower_inbox_outbox_notify() returns trigger
-language plpgsql as $$
+language plpgsql
+set search_path = pg_catalog
+as $$
 begin
-    perform pg_notify('tower_inbox_outbox', '');
+    perform pg_catalog.pg_notify('tower_inbox_outbox', '');
     return null;
 end
 $$;
@@ -56,7 +60,8 @@ create trigger message_outbox_notify_requeue
 create table inbox_quarantine (
     id               bigint      generated always as identity primary key,
     source           text        not null
-                                 check (source in ('identity-conflict', 'handler-failure', 'dead-effect')),
+                                 check (source in ('identity-conflict', 'handler-failure',
+                                                   'dead-effect', 'expired-message')),
     -- What the item is about, one per source: the identity (and conflicting hash), or the effect.
     item_key         text        not null,
     consumer_name    text,

@@ -40,6 +40,9 @@ use time::OffsetDateTime;
 
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::inbox::InboxError;
+use crate::schema::Schema;
+
+mod sql;
 
 /// Where a quarantined item came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -182,17 +185,22 @@ pub enum DecisionError {
 #[derive(Debug, Clone)]
 pub struct Quarantine {
     pool: PgPool,
+    schema: Schema,
 }
-
-const COLUMNS: &str =
-    "id, source, consumer_name, producer_name, tenant_id, message_id, effect_id, \
-    payload_sha256, payload_ref, reason_code, attempts, first_failed_at, last_failed_at, \
-    handler_version, decision, decided_by, decided_at, decision_reason, recovered_at";
 
 impl Quarantine {
     /// The quarantine over `pool`.
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            schema: Schema::default(),
+        }
+    }
+
+    /// The tables are in `schema` instead of the default one.
+    pub fn with_schema(mut self, schema: Schema) -> Self {
+        self.schema = schema;
+        self
     }
 
     /// Up to `limit` items, oldest first (newest first for [`QuarantineFilter::All`]).
@@ -201,14 +209,11 @@ impl Quarantine {
         filter: QuarantineFilter,
         limit: i64,
     ) -> Result<Vec<QuarantineItem>, InboxError> {
-        let condition = match filter {
-            QuarantineFilter::Open => "where decision is null order by first_failed_at, id",
-            QuarantineFilter::AwaitingRecovery => {
-                "where decision = 'repair' and recovered_at is null order by decided_at, id"
-            }
-            QuarantineFilter::All => "order by id desc",
-        };
-        let sql = format!("select {COLUMNS} from inbox_quarantine {condition} limit $1");
+        let sql = self.schema.sql(match filter {
+            QuarantineFilter::Open => sql::LIST_OPEN,
+            QuarantineFilter::AwaitingRecovery => sql::LIST_AWAITING_RECOVERY,
+            QuarantineFilter::All => sql::LIST_ALL,
+        });
         let rows = sqlx::query(&sql)
             .bind(limit)
             .fetch_all(&self.pool)
@@ -219,7 +224,7 @@ impl Quarantine {
 
     /// One item.
     pub async fn get(&self, id: i64) -> Result<Option<QuarantineItem>, InboxError> {
-        let sql = format!("select {COLUMNS} from inbox_quarantine where id = $1");
+        let sql = self.schema.sql(sql::GET);
         let row = sqlx::query(&sql)
             .bind(id)
             .fetch_optional(&self.pool)
@@ -233,10 +238,7 @@ impl Quarantine {
         &self,
         identity: &MessageIdentity,
     ) -> Result<Vec<QuarantineItem>, InboxError> {
-        let sql = format!(
-            "select {COLUMNS} from inbox_quarantine where consumer_name = $1 and producer_name = $2 \
-             and tenant_id = $3 and message_id = $4 order by id"
-        );
+        let sql = self.schema.sql(sql::FOR_IDENTITY);
         let rows = bind_identity!(sqlx::query(&sql), &identity)
             .fetch_all(&self.pool)
             .await
@@ -264,42 +266,34 @@ impl Quarantine {
     ) -> Result<(), DecisionError> {
         let classify = |e| DecisionError::Inbox(InboxError::classify(e));
         let mut tx = self.pool.begin().await.map_err(classify)?;
-        let decided: Option<(String, Option<String>)> = sqlx::query_as(
-            "update inbox_quarantine
-             set decision = $2, decided_by = $3, decided_at = now(), decision_reason = $4
-             where id = $1 and decision is null
-             returning source, effect_id",
-        )
-        .bind(id)
-        .bind(decision.as_str())
-        .bind(who)
-        .bind(why)
-        .fetch_optional(&mut *tx)
-        .await
-        .map_err(classify)?;
+        let decide = self.schema.sql(sql::DECIDE);
+        let decided: Option<(String, Option<String>)> = sqlx::query_as(&decide)
+            .bind(id)
+            .bind(decision.as_str())
+            .bind(who.as_bytes())
+            .bind(why.as_bytes())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(classify)?;
         let Some((source, effect_id)) = decided else {
-            let exists: Option<i64> =
-                sqlx::query_scalar("select id from inbox_quarantine where id = $1")
-                    .bind(id)
-                    .fetch_optional(&mut *tx)
-                    .await
-                    .map_err(classify)?;
+            let exists_sql = self.schema.sql(sql::EXISTS);
+            let exists: Option<i64> = sqlx::query_scalar(&exists_sql)
+                .bind(id)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(classify)?;
             return Err(match exists {
                 Some(_) => DecisionError::AlreadyDecided(id),
                 None => DecisionError::NotFound(id),
             });
         };
         if decision == Decision::Repair && source == QuarantineSource::DeadEffect.as_str() {
-            sqlx::query(
-                "update message_outbox
-                 set status = 'pending', attempts = 0, next_attempt_at = now(),
-                     lease_owner = null, lease_until = null
-                 where effect_id = $1 and status = 'dead'",
-            )
-            .bind(effect_id)
-            .execute(&mut *tx)
-            .await
-            .map_err(classify)?;
+            let requeue = self.schema.sql(sql::REQUEUE_EFFECT);
+            sqlx::query(&requeue)
+                .bind(effect_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(classify)?;
         }
         tx.commit().await.map_err(classify)?;
         tracing::info!(

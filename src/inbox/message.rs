@@ -1,0 +1,303 @@
+//! A claimed message: its transaction, and the record-and-commit that ends it.
+
+use std::ops::{Deref, DerefMut};
+use std::time::{Duration, Instant};
+
+use sqlx::postgres::PgConnection;
+use sqlx::{Postgres, Row, Transaction};
+use time::OffsetDateTime;
+use tracing::Instrument;
+
+use super::entry::{entry_from_row, response_binds, seen, Claim, InboxEntry, RecordedResponse};
+use super::{
+    count_claim, quarantine_recovered, sql, ClaimLock, Inbox, InboxError, RetryReason, Settled,
+};
+use crate::fingerprint::Fingerprint;
+use crate::identity::{bind_identity, MessageIdentity};
+use crate::metrics as m;
+use crate::quarantine::{identity_item_key, QuarantineSource};
+use crate::schema::Schema;
+
+/// A message this transaction claimed.
+///
+/// Run the business writes through it: `sqlx::query(..).execute(&mut message)` (or
+/// `&mut *tx` for an [`InboxTx`](crate::InboxTx)). Statements run that way are watched: a
+/// serialization failure or deadlock among them is remembered ([`retry_reason`](Self::retry_reason)),
+/// and the layer then rolls back and re-runs the handler. It also dereferences to the
+/// transaction's [`PgConnection`] for functions that take one; statements run through that
+/// plain connection are not watched, so call [`request_retry`](Self::request_retry) when one
+/// of them fails with `40001` or `40P01`.
+///
+/// Dropping it without [`commit`](Self::commit) rolls the claim back with everything written
+/// on it, so a retry can process the message again.
+#[derive(Debug)]
+pub struct ClaimedMessage {
+    pub(super) tx: Transaction<'static, Postgres>,
+    identity: MessageIdentity,
+    pub(super) retry: Option<RetryReason>,
+    inbox: Inbox,
+    /// Set when the claim is still to be made, at commit.
+    at_commit: Option<ClaimAtCommit>,
+}
+
+/// What a claim made at commit needs.
+#[derive(Debug)]
+pub(crate) struct ClaimAtCommit {
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) handler_version: String,
+    pub(crate) wait: Duration,
+}
+
+/// How [`ClaimedMessage::finish`] ended.
+#[derive(Debug)]
+pub(crate) enum Finished {
+    /// Claim, business writes and record committed together.
+    Committed,
+    /// (Claim at commit.) The key was claimed by another transaction: everything was rolled
+    /// back; this is what the inbox holds instead (never [`Claim::Claimed`]).
+    ClaimedElsewhere(Box<Claim>),
+}
+
+impl ClaimedMessage {
+    pub(super) fn new(
+        tx: Transaction<'static, Postgres>,
+        identity: MessageIdentity,
+        inbox: Inbox,
+        at_commit: Option<ClaimAtCommit>,
+    ) -> Self {
+        Self {
+            tx,
+            identity,
+            retry: None,
+            inbox,
+            at_commit,
+        }
+    }
+
+    /// The identity this transaction claimed.
+    pub fn identity(&self) -> &MessageIdentity {
+        &self.identity
+    }
+
+    /// The schema the inbox's tables (and the outbox's) are in.
+    pub fn schema(&self) -> &Schema {
+        self.inbox.schema()
+    }
+
+    /// Asks for this transaction to be rolled back and run again from the start, as after a
+    /// serialization failure. The layer honours it whatever the handler answers, within its
+    /// [`TransientRetry`](crate::TransientRetry) bound.
+    pub fn request_retry(&mut self) {
+        self.retry.get_or_insert(RetryReason::Requested);
+    }
+
+    /// Why this transaction has to be re-run, if a watched statement failed with a
+    /// serialization failure or deadlock (which aborted it), or a re-run was requested.
+    /// [`commit`](Self::commit) then rolls back instead and answers
+    /// [`InboxError::Rerun`].
+    pub fn retry_reason(&self) -> Option<RetryReason> {
+        self.retry
+    }
+
+    /// Records the outcome on the claim and commits: claim, business writes and recorded
+    /// response become durable together or not at all. The record must find the claimed
+    /// row; if it does not, everything is rolled back ([`InboxError::ClaimMissing`]).
+    ///
+    /// If the connection fails while `COMMIT` is in flight the outcome is unknown
+    /// ([`InboxError::OutcomeUnknown`]); a retry of the command resolves it, as a replay or
+    /// a new run.
+    ///
+    /// A transaction that has to be re-run ([`retry_reason`](Self::retry_reason)) is rolled
+    /// back instead, with [`InboxError::Rerun`]: claim again and run it from the start.
+    pub async fn commit(self, response: Option<&RecordedResponse>) -> Result<(), InboxError> {
+        match self.finish(response).await? {
+            Finished::Committed => Ok(()),
+            // Only a claim made at commit, which the layer alone opens, can find its key
+            // taken; like any transaction that lost a race, it is to be run again.
+            Finished::ClaimedElsewhere(_) => {
+                Err(InboxError::Rerun(RetryReason::SerializationFailure))
+            }
+        }
+    }
+
+    /// Records and commits; with a claim made at commit, reports a key claimed meanwhile.
+    pub(crate) async fn finish(
+        self,
+        response: Option<&RecordedResponse>,
+    ) -> Result<Finished, InboxError> {
+        let span = tracing::debug_span!(
+            "inbox.commit",
+            consumer = %self.identity.consumer(),
+            message_id = %self.identity.message_id(),
+            status = response.map(|r| r.status),
+            outcome = tracing::field::Empty,
+        );
+        let labels = self.inbox.metric_labels();
+        let identity = self.identity.clone();
+        let result = self
+            .record_and_commit(response)
+            .instrument(span.clone())
+            .await;
+        let outcome = match &result {
+            Ok(Finished::Committed) => {
+                m::count(m::FIRST_SEEN, &labels.of(&identity), 1);
+                "committed"
+            }
+            Ok(Finished::ClaimedElsewhere(claim)) => count_claim(claim, &labels.of(&identity)),
+            Err(err) => {
+                err.count(&labels.of_consumer(identity.consumer()));
+                err.kind()
+            }
+        };
+        span.record("outcome", outcome);
+        result
+    }
+
+    async fn record_and_commit(
+        mut self,
+        response: Option<&RecordedResponse>,
+    ) -> Result<Finished, InboxError> {
+        if let Some(reason) = self.retry {
+            // Aborted by a watched 40001/40P01, or asked to run again: never commit it.
+            self.tx.rollback().await.map_err(InboxError::classify)?;
+            return Err(InboxError::Rerun(reason));
+        }
+        let item_key = identity_item_key(QuarantineSource::HandlerFailure, &self.identity, "");
+        let (status, names, values, body) = response_binds(response);
+        let recovered = match self.at_commit.take() {
+            None => {
+                let sql = self.inbox.schema().sql(sql::RECORD);
+                let row = bind_identity!(sqlx::query(&sql), &self.identity)
+                    .bind(status)
+                    .bind(names)
+                    .bind(values)
+                    .bind(body)
+                    .bind(item_key.as_bytes())
+                    .fetch_one(&mut *self.tx)
+                    .await
+                    .map_err(InboxError::classify)?;
+                let recorded: i64 = row.try_get("recorded").map_err(InboxError::Database)?;
+                if recorded != 1 {
+                    // A claim never commits without its response.
+                    self.tx.rollback().await.map_err(InboxError::classify)?;
+                    return Err(InboxError::ClaimMissing);
+                }
+                row.try_get::<i64, _>("recovered")
+                    .map_err(InboxError::Database)?
+            }
+            Some(claim) => {
+                let lock = ClaimLock::of(self.inbox.schema(), &self.identity);
+                let sql = self.inbox.schema().sql(sql::CLAIM_AT_COMMIT);
+                let started = Instant::now();
+                let row = bind_identity!(sqlx::query(&sql), &self.identity)
+                    .bind(claim.fingerprint.to_hex())
+                    .bind(claim.handler_version.as_bytes())
+                    .bind(lock.0)
+                    .bind(lock.1)
+                    .bind(status)
+                    .bind(names)
+                    .bind(values)
+                    .bind(body)
+                    .bind(item_key.as_bytes())
+                    .fetch_one(&mut *self.tx)
+                    .await
+                    .map_err(InboxError::classify);
+                m::observe_seconds(
+                    m::CLAIM_WAIT,
+                    &self
+                        .inbox
+                        .metric_labels()
+                        .of_consumer(self.identity.consumer()),
+                    started.elapsed().as_secs_f64(),
+                );
+                let row = row?;
+                let get = |e| InboxError::Database(e);
+                if !row.try_get::<bool, _>("claimed").map_err(get)? {
+                    let free: bool = row.try_get("free").map_err(get)?;
+                    let entry = entry_from_row(&row)?;
+                    // Everything the handler wrote goes, and its locks with it.
+                    self.tx.rollback().await.map_err(InboxError::classify)?;
+                    return taken_at_commit(&self.inbox, &self.identity, entry, free, lock, &claim)
+                        .await;
+                }
+                row.try_get::<i64, _>("recovered").map_err(get)?
+            }
+        };
+        self.tx
+            .commit()
+            .await
+            .map_err(InboxError::classify_commit)?;
+        quarantine_recovered(QuarantineSource::HandlerFailure, recovered.unsigned_abs());
+        Ok(Finished::Committed)
+    }
+
+    /// Whether a message produced at `produced_at` is older than `window` by the database's
+    /// clock, and the oldest production time the window accepts now. Read in this
+    /// transaction, unwatched.
+    pub(crate) async fn produced_before_window(
+        &mut self,
+        produced_at: OffsetDateTime,
+        window: Duration,
+    ) -> Result<(bool, OffsetDateTime), InboxError> {
+        sqlx::query_as(sql::EXPIRED)
+            .bind(produced_at)
+            .bind(window.as_secs_f64())
+            .fetch_one(&mut *self.tx)
+            .await
+            .map_err(InboxError::classify)
+    }
+
+    /// Rolls back the claim and everything written in its transaction.
+    pub async fn rollback(self) -> Result<(), InboxError> {
+        self.tx.rollback().await.map_err(InboxError::classify)
+    }
+}
+
+/// What a claim at commit that found its key taken answers, after its rollback.
+async fn taken_at_commit(
+    inbox: &Inbox,
+    identity: &MessageIdentity,
+    entry: Option<InboxEntry>,
+    free: bool,
+    lock: ClaimLock,
+    claim: &ClaimAtCommit,
+) -> Result<Finished, InboxError> {
+    let entry = match (entry, free) {
+        (Some(entry), _) => Some(entry),
+        // Committed after the statement's snapshot: read it afresh.
+        (None, true) => inbox.lookup(identity).await?,
+        // In flight elsewhere: wait for it. If it rolls back meanwhile, the client's retry
+        // runs the command; this attempt's writes are gone already.
+        (None, false) => {
+            let deadline = Instant::now() + claim.wait;
+            match inbox.settle(identity, lock, deadline).await? {
+                Settled::Held(entry) => Some(entry),
+                Settled::Busy | Settled::Free => {
+                    return Ok(Finished::ClaimedElsewhere(Box::new(Claim::InProgress)))
+                }
+            }
+        }
+    };
+    match entry {
+        Some(entry) => Ok(Finished::ClaimedElsewhere(Box::new(seen(
+            entry,
+            &claim.fingerprint,
+        )))),
+        // Taken, then gone (purged) before it could be read: run again.
+        None => Err(InboxError::Rerun(RetryReason::SerializationFailure)),
+    }
+}
+
+impl Deref for ClaimedMessage {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.tx
+    }
+}
+
+impl DerefMut for ClaimedMessage {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.tx
+    }
+}

@@ -1,0 +1,206 @@
+//! The PostgreSQL schema the crate's tables live in, and the migrations that create them.
+//!
+//! Every statement the crate sends names its tables with their schema and calls PostgreSQL's
+//! functions as `pg_catalog.…`, so nothing a handler does to its session (`SET search_path`,
+//! a table or function of the same name in `public`) can redirect or break the protocol. The
+//! schema is `tower_inbox` unless a [`Schema`] of another name is given to the layer
+//! ([`InboxLayerBuilder::schema`](crate::InboxLayerBuilder::schema)) and to the other
+//! components, and [`migrate_schema`] creates the tables there.
+
+use std::collections::HashMap;
+use std::ops::Deref;
+use std::sync::{Arc, PoisonError, RwLock};
+
+use sqlx::migrate::MigrateError;
+use sqlx::{Connection, Executor, PgConnection, PgPool};
+
+/// The schema's name unless another is chosen.
+pub const DEFAULT_SCHEMA: &str = "tower_inbox";
+
+/// How the crate's SQL text names the default schema; [`Schema::sql`] swaps it for another.
+const TEMPLATE_PREFIX: &str = "tower_inbox.";
+
+/// The embedded migrations that create the inbox, outbox and quarantine tables.
+///
+/// Their statements name no schema: run them on a connection whose `search_path` is the
+/// inbox schema alone, which is what [`migrate`] and [`migrate_schema`] do (they also keep
+/// the `_sqlx_migrations` record of these migrations in that schema, apart from the
+/// application's own). To run them with the `sqlx` command line instead, copy `migrations/`
+/// and give that run `options=-csearch_path=tower_inbox` after creating the schema.
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// A schema the crate's tables live in: 1 to 63 bytes of lowercase ASCII letters, digits
+/// and `_`, starting with a letter or `_`, and not starting with `pg_` (PostgreSQL reserves
+/// those).
+///
+/// ```
+/// use tower_inbox::Schema;
+///
+/// assert_eq!(Schema::default().name(), "tower_inbox");
+/// assert_eq!(Schema::new("payments_inbox").unwrap().name(), "payments_inbox");
+/// assert!(Schema::new("Payments").is_err());
+/// assert!(Schema::new("pg_inbox").is_err());
+/// ```
+#[derive(Clone)]
+pub struct Schema {
+    name: Arc<str>,
+    /// The crate's statements with this schema's name, made once per statement.
+    statements: Arc<RwLock<HashMap<(usize, usize), Arc<str>>>>,
+}
+
+/// A schema name [`Schema::new`] refuses.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid schema name {0:?}: use 1 to 63 lowercase ASCII letters, digits and '_', \
+     starting with a letter or '_' and not with 'pg_'"
+)]
+pub struct SchemaError(String);
+
+impl Schema {
+    /// A schema of that name; see the type's docs for what is accepted.
+    pub fn new(name: &str) -> Result<Self, SchemaError> {
+        let valid = !name.is_empty()
+            && name.len() <= 63
+            && !name.starts_with("pg_")
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+            && !name.as_bytes()[0].is_ascii_digit();
+        if !valid {
+            return Err(SchemaError(name.to_owned()));
+        }
+        Ok(Self {
+            name: name.into(),
+            statements: Arc::default(),
+        })
+    }
+
+    /// The schema's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn is_default(&self) -> bool {
+        &*self.name == DEFAULT_SCHEMA
+    }
+
+    /// `template`, a statement of the crate that names its tables `tower_inbox.<table>`, with
+    /// this schema's name instead. Made once per schema value and statement, so the text (and
+    /// with it sqlx's prepared statement) stays the same from call to call.
+    pub(crate) fn sql(&self, template: &'static str) -> Sql {
+        if self.is_default() {
+            return Sql::Static(template);
+        }
+        let key = (template.as_ptr() as usize, template.len());
+        if let Some(sql) = self
+            .statements
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&key)
+        {
+            return Sql::Shared(sql.clone());
+        }
+        let sql: Arc<str> = template
+            .replace(TEMPLATE_PREFIX, &format!("\"{}\".", self.name))
+            .into();
+        self.statements
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key, sql.clone());
+        Sql::Shared(sql)
+    }
+}
+
+impl Default for Schema {
+    fn default() -> Self {
+        Self::new(DEFAULT_SCHEMA).expect("the default schema name is valid")
+    }
+}
+
+impl PartialEq for Schema {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+
+impl Eq for Schema {}
+
+impl std::fmt::Debug for Schema {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Schema({})", self.name)
+    }
+}
+
+impl std::fmt::Display for Schema {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
+/// The text of one statement for one schema.
+#[derive(Debug, Clone)]
+pub(crate) enum Sql {
+    Static(&'static str),
+    Shared(Arc<str>),
+}
+
+impl Deref for Sql {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        match self {
+            Self::Static(sql) => sql,
+            Self::Shared(sql) => sql,
+        }
+    }
+}
+
+/// Runs the embedded migrations into the default schema, `tower_inbox`, creating it first if
+/// it is missing.
+///
+/// ```no_run
+/// # async fn start(pool: sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+/// tower_inbox::migrate(&pool).await?;
+/// # Ok(()) }
+/// ```
+pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
+    migrate_schema(pool, &Schema::default()).await
+}
+
+/// Runs the embedded migrations into `schema`, creating it first if it is missing.
+///
+/// The migrations run on a connection of their own (with the pool's connect options and
+/// `search_path` set to the schema), never on a pooled one, so no setting outlives them.
+/// Several processes may run this at once: they take turns.
+pub async fn migrate_schema(pool: &PgPool, schema: &Schema) -> Result<(), MigrateError> {
+    let options = pool
+        .connect_options()
+        .as_ref()
+        .clone()
+        .options([("search_path", format!("\"{}\"", schema.name()))]);
+    let mut conn = PgConnection::connect_with(&options).await?;
+    let result = run_migrations(&mut conn, schema).await;
+    // Closing also releases the advisory lock, whatever happened.
+    let _ = conn.close().await;
+    result
+}
+
+async fn run_migrations(conn: &mut PgConnection, schema: &Schema) -> Result<(), MigrateError> {
+    // Two processes creating one schema at once collide on its name; take turns. The key is
+    // this crate's (an arbitrary constant in the two-key space, apart from sqlx's own lock).
+    sqlx::query("select pg_catalog.pg_advisory_lock(1953066594, 1)")
+        .execute(&mut *conn)
+        .await?;
+    let exists: bool = sqlx::query_scalar(
+        "select exists (select 1 from pg_catalog.pg_namespace where nspname = $1)",
+    )
+    .bind(schema.name())
+    .fetch_one(&mut *conn)
+    .await?;
+    if !exists {
+        // The name is validated: lowercase letters, digits and '_' only.
+        conn.execute(format!("create schema \"{}\"", schema.name()).as_str())
+            .await?;
+    }
+    MIGRATOR.run(&mut *conn).await
+}
