@@ -226,6 +226,34 @@ async fn the_same_key_from_two_producers_is_two_commands() {
 }
 
 #[tokio::test]
+async fn numbers_an_f64_cannot_tell_apart_are_different_payloads() {
+    let app = TestApp::new().await;
+    let router = app.credits();
+    let note = |note: &str| {
+        credit_raw(
+            "a1",
+            Some("k-note"),
+            Some("app"),
+            format!(r#"{{"delta":10,"note":{note}}}"#),
+        )
+    };
+    let first = send(&router, note("100000000000000000001")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    // As f64s both are 1e20; as commands they differ, so the key is reused for another one.
+    let other = send(&router, note("100000000000000000000")).await;
+    assert_eq!(other.status, StatusCode::CONFLICT);
+    assert_eq!(other.problem_type(), "payload-mismatch");
+    assert!(!other.replayed());
+    // The same number spelt another way is the same command: a retry, replayed.
+    let retry = send(&router, note("1000000000000000000.01e2")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(app.ledger_rows("a1").await, 1);
+    assert_eq!(app.balance("a1").await, Some(10));
+}
+
+#[tokio::test]
 async fn bodies_over_the_limit_are_refused_unclaimed() {
     let app = TestApp::new().await;
     let router = app.credits_with(|b| b.body_limit(16));

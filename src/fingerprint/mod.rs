@@ -4,6 +4,39 @@
 //! identity conflict. So the fingerprint must ignore what a retrying client may change
 //! without changing its intent (JSON key order, whitespace) and include everything else: the
 //! method, the path and query, and the body.
+//!
+//! # Canonical JSON
+//!
+//! [`FingerprintStrategy::CanonicalJson`] (the default) hashes a JSON body in one canonical
+//! text, read from the body's bytes:
+//!
+//! - no insignificant whitespace;
+//! - object members sorted by key, compared as decoded strings (Rust's `str` order); of
+//!   duplicate keys the last one is kept, as serde_json's `Value` keeps it;
+//! - strings decoded (escapes resolved) and written again as serde_json writes a `String`, so
+//!   `"\u00e9"` and `"é"` are the same text;
+//! - numbers by their exact decimal value, written from its sign, its significant digits `D`
+//!   (without leading or trailing zeros) and the power of ten `E` with value = ±D × 10^E:
+//!   zero, of either sign, is `0`; an integer from −2^63 to 2^64 − 1 is its plain decimal
+//!   digits, `-` first if negative (as serde_json writes an `i64` or `u64`); any other number is
+//!   `D`, `e` and `E`, `-` first if negative (`15e-1` for `1.5`, `-1e-1` for `-0.1`, `1e20`,
+//!   `100000000000000000001e0`). So `1`, `1.0`, `1e0` and `10e-1` are one command, and
+//!   `100000000000000000001` and `100000000000000000000`, which an `f64` cannot tell apart,
+//!   are two.
+//!
+//! A body with a JSON content type is hashed as raw bytes instead, exactly like any other body,
+//! when it is not JSON by RFC 8259 (invalid UTF-8, a lone surrogate in a `\u` escape, a
+//! control character in a string, text after the value, ...), when its arrays and objects nest
+//! 128 deep (serde_json's limit), or when a number's exponent has more than 30 digits after its
+//! leading zeros. Raw bytes never make two different bodies one command; at worst a retry
+//! that changed only its layout is refused as a conflict.
+//!
+//! For documents whose numbers are all written as plain integers in `i64` or `u64` range (no
+//! fraction, no exponent, not `-0`) this is the canonical text of earlier versions, and so the
+//! same fingerprints. Bodies with other numbers have new fingerprints: earlier versions read
+//! those as `f64`s and wrote them in whatever text the serde_json in the build gave an `f64`.
+
+mod canonical;
 
 use std::fmt;
 use std::sync::Arc;
@@ -32,6 +65,12 @@ impl Fingerprint {
     /// The fingerprint of a JSON value in canonical form: object keys sorted, no
     /// insignificant whitespace. Two values that differ only in key order have the same
     /// fingerprint; it equals [`of_bytes`](Self::of_bytes) of the canonical text.
+    ///
+    /// A [`Value`]'s numbers are what serde_json kept of the text it read: without its
+    /// `arbitrary_precision` feature an `f64`, `i64` or `u64`, so numbers an `f64` cannot tell
+    /// apart are already one number here, and a float is written as serde_json writes an `f64`
+    /// (`1.0`), not by the exact rule of [`FingerprintStrategy::CanonicalJson`], which reads
+    /// the body's bytes. Integers in `i64` or `u64` range are written the same way by both.
     ///
     /// ```
     /// use serde_json::json;
@@ -100,8 +139,13 @@ pub struct CommandPayload<'a> {
 #[derive(Clone, Default)]
 pub enum FingerprintStrategy {
     /// JSON bodies (a `Content-Type` of `application/json` or `*/*+json`) hash their canonical
-    /// form: object keys sorted, no insignificant whitespace. Other bodies, and JSON that does
-    /// not parse, hash their raw bytes. The default.
+    /// form: object members sorted by decoded key (the last of duplicate keys kept), no
+    /// insignificant whitespace, string escapes decoded and written one way, and numbers by
+    /// their exact decimal value. A number ±D × 10^E, with D its significant digits (no
+    /// leading or trailing zeros), is written `0` if zero, as plain digits if an integer from
+    /// −2^63 to 2^64 − 1, and as `D`, `e`, `E` otherwise, `-` first if negative (`15e-1` for
+    /// `1.5`, `1e20`). Other bodies hash their raw bytes, and so do JSON bodies that are not
+    /// RFC 8259 JSON, nest 128 deep or have an exponent of more than 30 digits. The default.
     #[default]
     CanonicalJson,
     /// The body's bytes exactly as received.
@@ -142,6 +186,15 @@ impl FingerprintStrategy {
     ///     s.fingerprint(&payload(br#"{"delta": 10}"#)),
     ///     s.fingerprint(&payload(br#"{"delta": 11}"#)),
     /// );
+    /// // Numbers count by their exact value, however they are written.
+    /// assert_eq!(
+    ///     s.fingerprint(&payload(br#"{"delta": 10}"#)),
+    ///     s.fingerprint(&payload(br#"{"delta": 1.0e1}"#)),
+    /// );
+    /// assert_ne!(
+    ///     s.fingerprint(&payload(br#"{"delta": 10, "note": 100000000000000000001}"#)),
+    ///     s.fingerprint(&payload(br#"{"delta": 10, "note": 100000000000000000000}"#)),
+    /// );
     /// ```
     pub fn fingerprint(&self, payload: &CommandPayload<'_>) -> Fingerprint {
         match self {
@@ -151,9 +204,9 @@ impl FingerprintStrategy {
                 let canonical = payload
                     .content_type
                     .filter(|ct| is_json_content_type(ct))
-                    .and_then(|_| canonical_json(payload.body));
+                    .and_then(|_| canonical::canonicalise(payload.body));
                 match canonical {
-                    Some(json) => hash_parts(payload, b"json", json.as_bytes()),
+                    Some(json) => hash_parts(payload, b"json", &json),
                     None => hash_parts(payload, b"raw", payload.body),
                 }
             }
@@ -204,18 +257,11 @@ fn is_json_content_type(content_type: &str) -> bool {
         || (essence.starts_with("application/") && essence.ends_with("+json"))
 }
 
-/// The canonical text of a JSON document, or `None` when it does not parse.
+/// Writes a [`Value`] in canonical form, for [`Fingerprint::of_json`].
 ///
 /// Keys are sorted here rather than relying on `serde_json::Map` being a `BTreeMap`: another
 /// crate in the build enabling serde_json's `preserve_order` feature would silently change
 /// that, and with it every fingerprint.
-fn canonical_json(body: &[u8]) -> Option<String> {
-    let value: Value = serde_json::from_slice(body).ok()?;
-    let mut out = String::with_capacity(body.len());
-    write_canonical(&value, &mut out);
-    Some(out)
-}
-
 fn write_canonical(value: &Value, out: &mut String) {
     match value {
         Value::Object(map) => {
@@ -272,8 +318,8 @@ mod tests {
         ));
         assert_eq!(a, b);
         assert_eq!(
-            canonical_json(br#"{"b":[1, {"y":2,"x":1}],"a":"\u0041"}"#).unwrap(),
-            r#"{"a":"A","b":[1,{"x":1,"y":2}]}"#
+            canonical::canonicalise(br#"{"b":[1, {"y":2,"x":1}],"a":"\u0041"}"#).unwrap(),
+            br#"{"a":"A","b":[1,{"x":1,"y":2}]}"#
         );
     }
 
@@ -308,14 +354,57 @@ mod tests {
     #[test]
     fn invalid_json_falls_back_to_raw_bytes() {
         let s = FingerprintStrategy::CanonicalJson;
-        assert_eq!(
-            s.fingerprint(&payload(JSON, b"{not json")),
-            FingerprintStrategy::RawBytes.fingerprint(&payload(JSON, b"{not json")),
-        );
-        // Deep nesting past serde_json's recursion limit is refused by the parser, not a
-        // stack overflow here.
+        let raw = |body: &[u8]| FingerprintStrategy::RawBytes.fingerprint(&payload(JSON, body));
         let deep = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
-        let _ = s.fingerprint(&payload(JSON, deep.as_bytes()));
+        let huge_exponent = format!(r#"{{"delta":1e{}}}"#, "1".repeat(31));
+        for body in [
+            &b"{not json"[..],
+            br#"{"delta":1} trailing"#,
+            br#"{"note":"\ud800"}"#,
+            b"{\"note\":\"tab\there\"}",
+            deep.as_bytes(),
+            huge_exponent.as_bytes(),
+        ] {
+            assert_eq!(s.fingerprint(&payload(JSON, body)), raw(body));
+        }
+        // Still canonical just inside the limits.
+        let deepest = format!("{}{}", "[".repeat(127), "]".repeat(127));
+        let exponent = format!(r#"{{"delta":1e{}}}"#, "1".repeat(30));
+        for body in [deepest.as_bytes(), exponent.as_bytes()] {
+            assert_ne!(s.fingerprint(&payload(JSON, body)), raw(body));
+        }
+    }
+
+    #[test]
+    fn numbers_an_f64_cannot_tell_apart_are_different_commands() {
+        let s = FingerprintStrategy::CanonicalJson;
+        let f = |body: &[u8]| s.fingerprint(&payload(JSON, body));
+        assert_ne!(
+            f(br#"{"delta":10,"note":100000000000000000001}"#),
+            f(br#"{"delta":10,"note":100000000000000000000}"#),
+        );
+        assert_ne!(
+            f(br#"{"rate":0.10000000000000000001}"#),
+            f(br#"{"rate":0.1}"#)
+        );
+        assert_ne!(f(b"18446744073709551617"), f(b"18446744073709551616"));
+        assert_ne!(f(b"-9223372036854775810"), f(b"-9223372036854775809"));
+    }
+
+    #[test]
+    fn one_number_written_differently_is_one_command() {
+        let s = FingerprintStrategy::CanonicalJson;
+        let f = |body: &str| s.fingerprint(&payload(JSON, body.as_bytes()));
+        let one = f(r#"{"delta":1}"#);
+        for number in ["1.0", "1e0", "10e-1", "0.1e1", "1E+0", "100e-2"] {
+            assert_eq!(f(&format!(r#"{{"delta":{number}}}"#)), one, "{number}");
+        }
+        let zero = f(r#"{"delta":0}"#);
+        for number in ["-0", "0.0", "-0.0e5"] {
+            assert_eq!(f(&format!(r#"{{"delta":{number}}}"#)), zero, "{number}");
+        }
+        assert_eq!(f(r#"{"rate":0.25}"#), f(r#"{"rate":2.50e-1}"#));
+        assert_eq!(f(r#"{"name":"\u00e9"}"#), f(r#"{"name":"é"}"#));
     }
 
     #[test]
@@ -426,8 +515,8 @@ mod tests {
 
         #[test]
         fn canonical_form_parses_back_to_the_same_document(value in json_value()) {
-            let text = canonical_json(&serde_json::to_vec(&value).unwrap()).unwrap();
-            let back: Value = serde_json::from_str(&text).unwrap();
+            let text = canonical::canonicalise(&serde_json::to_vec(&value).unwrap()).unwrap();
+            let back: Value = serde_json::from_slice(&text).unwrap();
             prop_assert_eq!(back, value);
         }
 
