@@ -520,3 +520,109 @@ async fn shutdown_finishes_the_delivery_in_flight_and_releases_the_rest() {
             .unwrap();
     assert_eq!(leased, 0);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Leases.
+
+/// Two dispatchers, one of which leases more effects than it can send before its lease runs
+/// out: the other takes those over. Every effect must still be sent once.
+#[tokio::test]
+async fn a_lease_covers_each_send_even_late_in_a_batch() {
+    let app = TestApp::with_pool_size(20).await;
+    let receiver = Receiver::scripted(std::iter::repeat_n((200, Duration::from_secs(1)), 64));
+    let url = receiver.serve().await;
+    let mut effects = Vec::new();
+    for i in 0..24 {
+        effects.push(enqueue_one(&app, &url, &format!("k{i}")).await);
+    }
+    // A batch of 16 at 4 at once takes four 1 s rounds, well past the 2.5 s lease.
+    let slow = |batch| {
+        Dispatcher::builder(
+            app.pool.clone(),
+            HttpTransport::new(Duration::from_secs(2)).unwrap(),
+        )
+        .delivery_timeout(Duration::from_secs(2))
+        .lease(Duration::from_millis(2500))
+        .batch_size(batch)
+        .concurrency(4)
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap()
+    };
+    let (stop_a, a) = spawn_run(slow(16));
+    // B starts once A holds its 16, so B leases the other 8 and then comes back for A's.
+    until(|| receiver.calls() >= 1).await;
+    let (stop_b, b) = spawn_run(slow(8));
+
+    let outbox = Outbox::new(app.pool.clone());
+    for _ in 0..300 {
+        let mut pending = 0;
+        for effect in &effects {
+            if outbox.entry(effect).await.unwrap().unwrap().status != EffectStatus::Delivered {
+                pending += 1;
+            }
+        }
+        if pending == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Stopping finishes the sends in flight, so every call either made is counted below.
+    let _ = stop_a.send(());
+    let _ = stop_b.send(());
+    a.await.unwrap().unwrap();
+    b.await.unwrap().unwrap();
+
+    let mut per_key: HashMap<String, usize> = HashMap::new();
+    for key in receiver.calls.lock().unwrap().iter() {
+        *per_key.entry(key.clone()).or_insert(0) += 1;
+    }
+    let repeated: Vec<_> = per_key.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(repeated.is_empty(), "sent more than once: {repeated:?}");
+    assert_eq!(per_key.len(), 24);
+    for effect in &effects {
+        let entry = outbox.entry(effect).await.unwrap().unwrap();
+        assert_eq!(entry.status, EffectStatus::Delivered);
+        assert_eq!(entry.attempts, 1);
+    }
+}
+
+#[tokio::test]
+async fn a_send_whose_lease_another_dispatcher_took_is_skipped() {
+    let app = TestApp::new().await;
+    let receiver = Receiver::scripted([(200, Duration::from_millis(500))]);
+    let url = receiver.serve().await;
+    let effects = [
+        enqueue_one(&app, &url, "k1").await,
+        enqueue_one(&app, &url, "k2").await,
+    ];
+    let d = Dispatcher::builder(
+        app.pool.clone(),
+        HttpTransport::new(Duration::from_secs(5)).unwrap(),
+    )
+    .batch_size(2)
+    .concurrency(1)
+    .build()
+    .unwrap();
+    let batch = tokio::spawn(async move { d.dispatch_due().await });
+    until(|| receiver.calls() == 1).await;
+    // While the first send stalls, the second effect's lease passes to another dispatcher (as
+    // when the batch's lease runs out and another leases the effect).
+    let first = receiver.calls.lock().unwrap()[0].clone();
+    let waiting = effects.iter().find(|e| e.as_str() != first).unwrap();
+    sqlx::query("update message_outbox set lease_owner = 'another' where effect_id = $1")
+        .bind(waiting.as_str())
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let report = batch.await.unwrap().unwrap();
+    assert_eq!((report.delivered, report.lost), (1, 1));
+    assert_eq!(receiver.calls(), 1, "the second send did not happen");
+    let entry = Outbox::new(app.pool.clone())
+        .entry(waiting)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(entry.status, EffectStatus::Pending);
+    assert_eq!(entry.attempts, 0, "not attempted here");
+}

@@ -33,6 +33,9 @@ pub struct DispatchReport {
     pub recovered: usize,
     /// Leases given back unattempted because the dispatcher is stopping.
     pub released: usize,
+    /// Leases lost before the send began: the batch's lease ran out while the effect waited
+    /// for its turn and another dispatcher took it. Not attempted here.
+    pub lost: usize,
     /// Outcomes not recorded because the lease had expired and another dispatcher took the
     /// effect (it delivers again, with the same key), or the database failed.
     pub unrecorded: usize,
@@ -46,6 +49,7 @@ impl DispatchReport {
             ("retry", self.retried),
             ("dead", self.dead),
             ("released", self.released),
+            ("lost", self.lost),
             ("unrecorded", self.unrecorded),
         ];
         for (outcome, n) in outcomes {
@@ -63,6 +67,7 @@ impl DispatchReport {
         self.dead += other.dead;
         self.recovered += other.recovered;
         self.released += other.released;
+        self.lost += other.lost;
         self.unrecorded += other.unrecorded;
     }
 }
@@ -181,8 +186,10 @@ impl<T: Transport> DispatcherBuilder<T> {
         self
     }
 
-    /// How long a lease lasts. It must outlast the delivery timeout; when the instance dies,
-    /// its effects are retried by another after at most this long.
+    /// How long a lease lasts. Each delivery renews its effect's lease right before its send,
+    /// so the lease must outlast one delivery (the delivery timeout) and the recording of its
+    /// outcome, which happens only while the lease holds; when the instance dies, its effects
+    /// are retried by another after at most this long.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.settings.lease = lease;
         self
@@ -225,7 +232,8 @@ impl<T: Transport> DispatcherBuilder<T> {
         }
         if s.lease <= s.delivery_timeout {
             return Err(ConfigError::BadLimit(
-                "the lease must be longer than the delivery timeout",
+                "the lease must be longer than the delivery timeout: each delivery and the \
+                 recording of its outcome must end while its lease holds",
             ));
         }
         if s.backoff_base.is_zero() || s.backoff_cap < s.backoff_base || s.poll_interval.is_zero() {
@@ -243,8 +251,9 @@ impl<T: Transport> DispatcherBuilder<T> {
 }
 
 impl<T: Transport> Dispatcher<T> {
-    /// Leases one batch of due effects, delivers them and records each outcome. Returns what
-    /// it did; an empty report means nothing was due.
+    /// Leases one batch of due effects, delivers them and records each outcome. Each send
+    /// renews its effect's lease right before it starts and is skipped if another dispatcher
+    /// took the effect meanwhile. Returns what it did; an empty report means nothing was due.
     pub async fn dispatch_due(&self) -> Result<DispatchReport, InboxError> {
         self.dispatch_batch(&AtomicBool::new(false)).await
     }
@@ -365,7 +374,7 @@ impl<T: Transport> Dispatcher<T> {
 
     async fn deliver_one(
         &self,
-        effect: Effect,
+        mut effect: Effect,
         token: &str,
         stopping: &AtomicBool,
     ) -> DispatchReport {
@@ -378,6 +387,30 @@ impl<T: Transport> Dispatcher<T> {
                 Ok(1) => report.released = 1,
                 _ => report.unrecorded = 1,
             }
+            report.count_deliveries(&effect.effect_name);
+            return report;
+        }
+        // The batch was leased before the deliveries queued ahead of this one: renew the lease
+        // now so that it covers this send and its recording, unless another dispatcher took the
+        // effect in the meantime.
+        let started: Result<Option<i32>, _> = sqlx::query_scalar(sql::START)
+            .bind(effect.effect_id.as_str())
+            .bind(token)
+            .bind(self.settings.lease.as_secs_f64())
+            .fetch_optional(&self.pool)
+            .await;
+        match started {
+            Ok(Some(attempt)) => effect.attempt = attempt,
+            Ok(None) => {
+                tracing::debug!(effect_id = %effect.effect_id, "lease lost before the send; another dispatcher delivers the effect");
+                report.lost = 1;
+            }
+            Err(err) => {
+                tracing::warn!(effect_id = %effect.effect_id, error = %err, "could not begin the delivery; the effect is due again when its lease runs out");
+                report.unrecorded = 1;
+            }
+        }
+        if report.lost + report.unrecorded > 0 {
             report.count_deliveries(&effect.effect_name);
             return report;
         }
