@@ -1,9 +1,11 @@
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::stream::{self, StreamExt};
+use futures_util::FutureExt;
 use sqlx::postgres::{PgListener, PgRow};
 use sqlx::{PgPool, Row};
 use tracing::Instrument;
@@ -195,7 +197,9 @@ impl<T: Transport> DispatcherBuilder<T> {
         self
     }
 
-    /// The bound on one delivery; running over is an ambiguous outcome.
+    /// The bound on one delivery; running over is an ambiguous outcome. It must be at least
+    /// the transport's own bound ([`Transport::call_timeout`]), so that a transport that has
+    /// its answer always returns it before the dispatcher gives up on the call.
     pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
         self.settings.delivery_timeout = timeout;
         self
@@ -234,6 +238,16 @@ impl<T: Transport> DispatcherBuilder<T> {
             return Err(ConfigError::BadLimit(
                 "the lease must be longer than the delivery timeout: each delivery and the \
                  recording of its outcome must end while its lease holds",
+            ));
+        }
+        if self
+            .transport
+            .call_timeout()
+            .is_some_and(|own| own > s.delivery_timeout)
+        {
+            return Err(ConfigError::BadLimit(
+                "the delivery timeout must be at least the transport's own timeout, or it can \
+                 cut off a delivery the receiver accepted and have it delivered again",
             ));
         }
         if s.backoff_base.is_zero() || s.backoff_cap < s.backoff_base || s.poll_interval.is_zero() {
@@ -431,13 +445,19 @@ impl<T: Transport> Dispatcher<T> {
         mut report: DispatchReport,
     ) -> DispatchReport {
         let span = tracing::Span::current();
-        let delivery = match tokio::time::timeout(
-            self.settings.delivery_timeout,
-            self.transport.deliver(&effect),
-        )
-        .await
-        {
-            Ok(delivery) => delivery,
+        // The call is made inside the guarded future so that a transport panicking before it
+        // returns its future is caught too.
+        let call = AssertUnwindSafe(async { self.transport.deliver(&effect).await }).catch_unwind();
+        let delivery = match tokio::time::timeout(self.settings.delivery_timeout, call).await {
+            Ok(Ok(delivery)) => delivery.storable(),
+            // The payload is not logged: a panic message can hold anything the transport had.
+            Ok(Err(_panic)) => {
+                tracing::warn!(effect_id = %effect.effect_id, "the transport panicked; counted as a failed attempt");
+                Delivery::Retry {
+                    status: None,
+                    error: "the transport panicked".to_owned(),
+                }
+            }
             Err(_) => Delivery::Retry {
                 status: None,
                 error: format!(
@@ -476,7 +496,7 @@ impl<T: Transport> Dispatcher<T> {
             Delivery::Retry { status, error } if effect.attempt < self.settings.max_attempts => {
                 span.record("outcome", "retry");
                 let delay = self.backoff(effect.attempt);
-                tracing::info!(effect_id = %id, attempt = effect.attempt, ?delay, %error, "delivery failed; retrying");
+                tracing::info!(effect_id = %id, attempt = effect.attempt, ?delay, status, error = loggable(status, &error), "delivery failed; retrying");
                 let done = self
                     .record(sql::RETRY, id, token, |q| {
                         q.bind(delay.as_secs_f64())
@@ -529,7 +549,7 @@ impl<T: Transport> Dispatcher<T> {
         report: &mut DispatchReport,
     ) -> Result<i64, sqlx::Error> {
         let id = &effect.effect_id;
-        tracing::warn!(effect_id = %id, %reason_code, %error, "effect moved to dead letters");
+        tracing::warn!(effect_id = %id, %reason_code, status, error = loggable(status, &error), "effect moved to dead letters");
         let item: Option<(i64, bool)> = sqlx::query_as(sql::DEAD)
             .bind(id.as_str())
             .bind(token)
@@ -577,6 +597,15 @@ impl<T: Transport> Dispatcher<T> {
             .saturating_mul(1u32 << doublings)
             .min(self.settings.backoff_cap);
         full.mul_f64(0.5 + fastrand::f64() * 0.5)
+    }
+}
+
+/// What a log line may say about a failure. With a status the error text carries the
+/// receiver's answer, which is recorded with the effect but never logged.
+fn loggable(status: Option<u16>, error: &str) -> &str {
+    match status {
+        Some(_) => "see the effect's last_error",
+        None => error,
     }
 }
 
