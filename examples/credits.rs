@@ -97,6 +97,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             };
             let timeout = Duration::from_millis(timeout_ms);
             let dispatcher = Dispatcher::builder(pool.clone(), HttpTransport::new(timeout)?)
+                // At least the transport's own timeout (the builder refuses less): the
+                // transport then always returns an answer it has before the dispatcher gives up.
                 .delivery_timeout(timeout)
                 // A killed process's leases expire well within a minute.
                 .lease(timeout + Duration::from_secs(10))

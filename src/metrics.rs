@@ -270,7 +270,7 @@ pub const METRICS: &[MetricInfo] = &[
         Counter,
         &["effect", "outcome"],
         Unit::Count,
-        "delivery attempts: outcome=delivered, retry, dead, unrecorded or released",
+        "delivery attempts: outcome=delivered, retry, dead, unrecorded, released or lost",
     ),
     info(
         OUTBOX_DEAD_LETTERS,

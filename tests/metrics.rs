@@ -31,7 +31,9 @@ use metrics_util::MetricKind as RecordedKind;
 use sqlx::PgPool;
 use tokio::sync::{MutexGuard, Notify};
 use tower_inbox::metrics::{self as m, MetricKind, MetricLabels, StatsTask, METRICS};
-use tower_inbox::outbox::{enqueue, Dispatcher, EffectId, HttpTransport, OutboxMessage};
+use tower_inbox::outbox::{
+    enqueue, Delivery, Dispatcher, Effect, EffectId, HttpTransport, OutboxMessage, Transport,
+};
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::quarantine::{Quarantine, QuarantineFilter, QuarantineSource};
 use tower_inbox::{
@@ -1049,6 +1051,41 @@ async fn a_retryable_failure_on_the_last_attempt_goes_dead_as_attempts_exhausted
         dispatcher(&app.pool, 1).dispatch_due().await.unwrap().dead,
         1
     );
+    probe.assert_moved(&[
+        (m::OUTBOX_DELIVERIES, &[("outcome", "dead")], 1),
+        (
+            m::OUTBOX_DEAD_LETTERS,
+            &[("reason", "attempts-exhausted")],
+            1,
+        ),
+    ]);
+    shared.assert_moved(&[(m::QUARANTINE_MOVES, &[("source", "dead-effect")], 1)]);
+}
+
+/// A transport that panics on every call.
+struct Panicking;
+
+impl Transport for Panicking {
+    async fn deliver(&self, _: &Effect) -> Delivery {
+        panic!("transport bug")
+    }
+}
+
+#[tokio::test]
+async fn a_panicking_transport_counts_a_retry_then_a_dead_letter() {
+    let serial = serial().await;
+    let app = TestApp::new().await;
+    enqueue_effect(&app.pool, "panicking", "http://127.0.0.1:9/never-called").await;
+    let d = Dispatcher::builder(app.pool.clone(), Panicking)
+        .max_attempts(2)
+        .build()
+        .unwrap();
+    let mut probe = Probe::effect("panicking");
+    let mut shared = Probe::shared(&serial);
+    assert_eq!(d.dispatch_due().await.unwrap().retried, 1);
+    probe.assert_moved(&[(m::OUTBOX_DELIVERIES, &[("outcome", "retry")], 1)]);
+    make_due(&app.pool).await;
+    assert_eq!(d.dispatch_due().await.unwrap().dead, 1);
     probe.assert_moved(&[
         (m::OUTBOX_DELIVERIES, &[("outcome", "dead")], 1),
         (

@@ -12,7 +12,8 @@ use axum::routing::post;
 use axum::Router;
 use common::{credit, send, TestApp};
 use tower_inbox::outbox::{
-    enqueue, Dispatcher, EffectId, EffectStatus, HttpTransport, Outbox, OutboxMessage,
+    enqueue, Delivery, Dispatcher, Effect, EffectId, EffectStatus, HttpTransport, Outbox,
+    OutboxEntry, OutboxMessage, Transport,
 };
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::quarantine::{Quarantine, QuarantineFilter, QuarantineSource};
@@ -73,16 +74,13 @@ impl Receiver {
 }
 
 fn dispatcher(app: &TestApp, timeout: Duration) -> Dispatcher<HttpTransport> {
-    Dispatcher::builder(
-        app.pool.clone(),
-        HttpTransport::new(Duration::from_secs(30)).unwrap(),
-    )
-    .delivery_timeout(timeout)
-    .lease(timeout + Duration::from_secs(1))
-    .backoff(Duration::from_millis(10), Duration::from_millis(20))
-    .max_attempts(3)
-    .build()
-    .unwrap()
+    Dispatcher::builder(app.pool.clone(), HttpTransport::new(timeout).unwrap())
+        .delivery_timeout(timeout)
+        .lease(timeout + Duration::from_secs(1))
+        .backoff(Duration::from_millis(10), Duration::from_millis(20))
+        .max_attempts(3)
+        .build()
+        .unwrap()
 }
 
 async fn enqueue_one(app: &TestApp, url: &str, key: &str) -> EffectId {
@@ -116,6 +114,18 @@ async fn enqueue_one(app: &TestApp, url: &str, key: &str) -> EffectId {
     enqueued.effect_id
 }
 
+/// A dispatcher that leases two effects at a time and sends them one after the other.
+fn two_one_at_a_time(app: &TestApp) -> Dispatcher<HttpTransport> {
+    Dispatcher::builder(
+        app.pool.clone(),
+        HttpTransport::new(Duration::from_secs(5)).unwrap(),
+    )
+    .batch_size(2)
+    .concurrency(1)
+    .build()
+    .unwrap()
+}
+
 /// Runs `d` in a task until the returned sender fires (or is dropped).
 fn spawn_run(
     d: Dispatcher<HttpTransport>,
@@ -131,7 +141,7 @@ fn spawn_run(
 }
 
 /// Runs rounds until nothing is due (bounded); sleeps past short backoffs.
-async fn drain(d: &Dispatcher<HttpTransport>) {
+async fn drain<T: Transport>(d: &Dispatcher<T>) {
     for _ in 0..50 {
         let report = d.dispatch_due().await.unwrap();
         if report.leased == 0 {
@@ -485,14 +495,7 @@ async fn shutdown_finishes_the_delivery_in_flight_and_releases_the_rest() {
     let url = receiver.serve().await;
     let first = enqueue_one(&app, &url, "k1").await;
     let second = enqueue_one(&app, &url, "k2").await;
-    let d = Dispatcher::builder(
-        app.pool.clone(),
-        HttpTransport::new(Duration::from_secs(5)).unwrap(),
-    )
-    .batch_size(2)
-    .concurrency(1)
-    .build()
-    .unwrap();
+    let d = two_one_at_a_time(&app);
     let (stop, running) = spawn_run(d);
     until(|| receiver.calls() == 1).await;
     let _ = stop.send(());
@@ -521,4 +524,534 @@ async fn shutdown_finishes_the_delivery_in_flight_and_releases_the_rest() {
     .await
     .unwrap();
     assert_eq!(leased, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Answers that cannot be stored as they are.
+
+/// A receiver on loopback answering every POST with 200 and `body`; counts calls per
+/// `Idempotency-Key`.
+async fn answering(body: &'static [u8]) -> (String, Arc<Mutex<HashMap<String, usize>>>) {
+    let calls = Arc::new(Mutex::new(HashMap::new()));
+    let counted = calls.clone();
+    let router = Router::new().route(
+        "/hook",
+        post(move |headers: HeaderMap| {
+            let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+            *counted.lock().unwrap().entry(key).or_insert(0) += 1;
+            async move { (StatusCode::OK, body).into_response() }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    (format!("http://{addr}/hook"), calls)
+}
+
+/// Enqueues one effect for the receiver `(url, calls)` and runs rounds until it is no longer
+/// pending (bounded), then one more; asserts it was sent once and delivered with a 200, and
+/// returns the recorded answer.
+async fn delivered_once(
+    app: &TestApp,
+    (url, calls): (String, Arc<Mutex<HashMap<String, usize>>>),
+) -> String {
+    let effect = enqueue_one(app, &url, "k1").await;
+    let d = Dispatcher::builder(
+        app.pool.clone(),
+        HttpTransport::new(Duration::from_secs(3)).unwrap(),
+    )
+    .delivery_timeout(Duration::from_secs(3))
+    .lease(Duration::from_millis(3500))
+    .backoff(Duration::from_millis(10), Duration::from_millis(20))
+    .build()
+    .unwrap();
+    let outbox = Outbox::new(app.pool.clone());
+    // An unrecordable outcome leaves the row pending until its lease runs out, then it is
+    // delivered again: rounds go on long enough to see that.
+    for _ in 0..40 {
+        d.dispatch_due().await.unwrap();
+        if outbox.entry(&effect).await.unwrap().unwrap().status != EffectStatus::Pending {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    d.dispatch_due().await.unwrap();
+    let entry = outbox.entry(&effect).await.unwrap().unwrap();
+    assert_eq!(calls.lock().unwrap().get(effect.as_str()), Some(&1));
+    assert_eq!(entry.status, EffectStatus::Delivered);
+    assert_eq!(entry.remote_status, Some(200));
+    entry.remote_result.expect("a recorded answer")
+}
+
+#[tokio::test]
+async fn an_answer_with_a_nul_byte_is_delivered_once_and_stored_sanitised() {
+    let app = TestApp::new().await;
+    let result = delivered_once(&app, answering(b"ok\0done").await).await;
+    assert_eq!(result, "ok\u{FFFD}done");
+}
+
+#[tokio::test]
+async fn an_answer_in_invalid_utf8_is_delivered_once_and_stored_lossily() {
+    let app = TestApp::new().await;
+    let result = delivered_once(&app, answering(b"\xff\xfeok").await).await;
+    assert_eq!(result, "\u{FFFD}\u{FFFD}ok");
+}
+
+#[tokio::test]
+async fn a_4_mib_answer_is_delivered_once_with_a_64_kib_excerpt() {
+    static BODY: [u8; 4 << 20] = [b'a'; 4 << 20];
+    let app = TestApp::new().await;
+    let result = delivered_once(&app, answering(&BODY).await).await;
+    assert_eq!(result.len(), 64 * 1024);
+    assert!(result.bytes().all(|b| b == b'a'));
+}
+
+/// A receiver that answers `200` with a chunked body that starts with `hello\n` and then
+/// never ends (a chunk every 50 ms, for at most 20 s, while the client listens); counts calls
+/// per `Idempotency-Key`.
+async fn never_ending() -> (String, Arc<Mutex<HashMap<String, usize>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let calls = Arc::new(Mutex::new(HashMap::new()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let counted = calls.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut socket, _)) = listener.accept().await else {
+                return;
+            };
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                // The request head and its small body arrive together; no keep-alive.
+                let mut request = vec![0; 16 * 1024];
+                let mut read = 0;
+                while !request[..read].windows(4).any(|w| w == b"\r\n\r\n") {
+                    match socket.read(&mut request[read..]).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => read += n,
+                    }
+                }
+                let head = String::from_utf8_lossy(&request[..read]).to_lowercase();
+                let key = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("idempotency-key:"))
+                    .map(|k| k.trim().to_owned())
+                    .unwrap_or_default();
+                *counted.lock().unwrap().entry(key).or_insert(0) += 1;
+                let start = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n\
+                              transfer-encoding: chunked\r\n\r\n6\r\nhello\n\r\n";
+                if socket.write_all(start).await.is_err() {
+                    return;
+                }
+                for _ in 0..400 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    if socket.write_all(b"5\r\ntick\n\r\n").await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://{addr}/hook"), calls)
+}
+
+#[tokio::test]
+async fn an_answer_that_never_ends_is_delivered_once_with_what_arrived() {
+    let app = TestApp::new().await;
+    let result = delivered_once(&app, never_ending().await).await;
+    assert!(result.starts_with("hello\n"), "{result:?}");
+    assert!(result.len() <= 64 * 1024);
+    assert!(result.lines().skip(1).all(|l| l == "tick"), "{result:?}");
+}
+
+/// A transport of the caller's own: `answer` decides each delivery from the effect and how
+/// many calls came before; panics inside it happen while the delivery future is polled.
+struct FnTransport<F> {
+    answer: F,
+    calls: Arc<Mutex<Vec<String>>>,
+}
+
+impl<F> FnTransport<F>
+where
+    F: Fn(&Effect, usize) -> Delivery + Send + Sync + 'static,
+{
+    fn new(answer: F) -> (Self, Arc<Mutex<Vec<String>>>) {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let transport = Self {
+            answer,
+            calls: calls.clone(),
+        };
+        (transport, calls)
+    }
+}
+
+impl<F> Transport for FnTransport<F>
+where
+    F: Fn(&Effect, usize) -> Delivery + Send + Sync + 'static,
+{
+    async fn deliver(&self, effect: &Effect) -> Delivery {
+        tokio::task::yield_now().await;
+        let before = {
+            let mut calls = self.calls.lock().unwrap();
+            calls.push(effect.destination.clone());
+            calls.iter().filter(|d| **d == effect.destination).count() - 1
+        };
+        (self.answer)(effect, before)
+    }
+}
+
+fn fn_dispatcher<T: Transport>(app: &TestApp, transport: T) -> Dispatcher<T> {
+    Dispatcher::builder(app.pool.clone(), transport)
+        .delivery_timeout(Duration::from_secs(5))
+        .lease(Duration::from_secs(6))
+        .backoff(Duration::from_millis(10), Duration::from_millis(20))
+        .max_attempts(3)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn texts_a_transport_returns_are_stored_sanitised_and_bounded() {
+    let app = TestApp::new().await;
+    let huge = format!("{}\0", "é".repeat(50_000));
+    let (transport, calls) =
+        FnTransport::new(
+            move |effect, before| match (effect.destination.as_str(), before) {
+                ("retry-then-deliver", 0) => Delivery::Retry {
+                    status: Some(503),
+                    error: huge.clone(),
+                },
+                ("retry-then-deliver", _) => Delivery::Delivered {
+                    status: Some(200),
+                    result: "receipt\0".to_owned(),
+                },
+                _ => Delivery::Permanent {
+                    status: Some(400),
+                    reason_code: "bad\0request".to_owned(),
+                    error: "refused\0".to_owned(),
+                },
+            },
+        );
+    let retried = enqueue_one(&app, "retry-then-deliver", "k1").await;
+    let refused = enqueue_one(&app, "refuse", "k2").await;
+    let d = fn_dispatcher(&app, transport);
+    let outbox = Outbox::new(app.pool.clone());
+
+    let first = d.dispatch_due().await.unwrap();
+    assert_eq!((first.retried, first.dead, first.unrecorded), (1, 1, 0));
+    let entry = outbox.entry(&retried).await.unwrap().unwrap();
+    let error = entry.last_error.unwrap();
+    assert!(error.len() <= 64 * 1024 && !error.contains('\0'));
+    assert!(error.starts_with("éé"));
+    let dead = outbox.entry(&refused).await.unwrap().unwrap();
+    assert_eq!(dead.status, EffectStatus::Dead);
+    assert_eq!(dead.last_error.as_deref(), Some("refused\u{FFFD}"));
+    let open = Quarantine::new(app.pool.clone())
+        .list(QuarantineFilter::Open, 10)
+        .await
+        .unwrap();
+    assert_eq!(open.len(), 1);
+    assert_eq!(open[0].reason_code, "bad\u{FFFD}request");
+
+    drain(&d).await;
+    let entry = outbox.entry(&retried).await.unwrap().unwrap();
+    assert_eq!(entry.status, EffectStatus::Delivered);
+    assert_eq!(entry.remote_result.as_deref(), Some("receipt\u{FFFD}"));
+    assert_eq!(
+        calls.lock().unwrap().len(),
+        3,
+        "two attempts and one refusal"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Leases.
+
+/// Two dispatchers, one of which leases more effects than it can send before its lease runs
+/// out: the other takes those over. Every effect must still be sent once.
+#[tokio::test]
+async fn a_lease_covers_each_send_even_late_in_a_batch() {
+    let app = TestApp::with_pool_size(20).await;
+    let receiver = Receiver::scripted(std::iter::repeat_n((200, Duration::from_secs(1)), 64));
+    let url = receiver.serve().await;
+    let mut effects = Vec::new();
+    for i in 0..24 {
+        effects.push(enqueue_one(&app, &url, &format!("k{i}")).await);
+    }
+    // A batch of 16 at 4 at once takes four 1 s rounds, well past the 2.5 s lease.
+    let slow = |batch| {
+        Dispatcher::builder(
+            app.pool.clone(),
+            HttpTransport::new(Duration::from_secs(2)).unwrap(),
+        )
+        .delivery_timeout(Duration::from_secs(2))
+        .lease(Duration::from_millis(2500))
+        .batch_size(batch)
+        .concurrency(4)
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap()
+    };
+    let (stop_a, a) = spawn_run(slow(16));
+    // B starts once A holds its 16, so B leases the other 8 and then comes back for A's.
+    until(|| receiver.calls() >= 1).await;
+    let (stop_b, b) = spawn_run(slow(8));
+
+    let outbox = Outbox::new(app.pool.clone());
+    for _ in 0..300 {
+        let mut pending = 0;
+        for effect in &effects {
+            if outbox.entry(effect).await.unwrap().unwrap().status != EffectStatus::Delivered {
+                pending += 1;
+            }
+        }
+        if pending == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Stopping finishes the sends in flight, so every call either made is counted below.
+    let _ = stop_a.send(());
+    let _ = stop_b.send(());
+    a.await.unwrap().unwrap();
+    b.await.unwrap().unwrap();
+
+    let mut per_key: HashMap<String, usize> = HashMap::new();
+    for key in receiver.calls.lock().unwrap().iter() {
+        *per_key.entry(key.clone()).or_insert(0) += 1;
+    }
+    let repeated: Vec<_> = per_key.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(repeated.is_empty(), "sent more than once: {repeated:?}");
+    assert_eq!(per_key.len(), 24);
+    for effect in &effects {
+        let entry = outbox.entry(effect).await.unwrap().unwrap();
+        assert_eq!(entry.status, EffectStatus::Delivered);
+        assert_eq!(entry.attempts, 1);
+    }
+}
+
+#[tokio::test]
+async fn a_send_whose_lease_another_dispatcher_took_is_skipped() {
+    let app = TestApp::new().await;
+    let receiver = Receiver::scripted([(200, Duration::from_millis(500))]);
+    let url = receiver.serve().await;
+    let effects = [
+        enqueue_one(&app, &url, "k1").await,
+        enqueue_one(&app, &url, "k2").await,
+    ];
+    let d = two_one_at_a_time(&app);
+    let batch = tokio::spawn(async move { d.dispatch_due().await });
+    until(|| receiver.calls() == 1).await;
+    // While the first send stalls, the second effect's lease passes to another dispatcher (as
+    // when the batch's lease runs out and another leases the effect).
+    let first = receiver.calls.lock().unwrap()[0].clone();
+    let waiting = effects.iter().find(|e| e.as_str() != first).unwrap();
+    sqlx::query("update message_outbox set lease_owner = 'another' where effect_id = $1")
+        .bind(waiting.as_str())
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let report = batch.await.unwrap().unwrap();
+    assert_eq!((report.delivered, report.lost), (1, 1));
+    assert_eq!(receiver.calls(), 1, "the second send did not happen");
+    let entry = Outbox::new(app.pool.clone())
+        .entry(waiting)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(entry.status, EffectStatus::Pending);
+    assert_eq!(entry.attempts, 0, "not attempted here");
+}
+
+#[tokio::test]
+async fn a_delivery_timeout_shorter_than_the_transports_own_is_refused() {
+    let app = TestApp::new().await;
+    let with_delivery_timeout = |secs| {
+        Dispatcher::builder(
+            app.pool.clone(),
+            HttpTransport::new(Duration::from_secs(5)).unwrap(),
+        )
+        .delivery_timeout(Duration::from_secs(secs))
+        .build()
+    };
+    assert!(with_delivery_timeout(4).is_err());
+    assert!(with_delivery_timeout(5).is_ok());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Panics.
+
+#[tokio::test]
+async fn a_panicking_transport_fails_the_attempt_and_the_dispatcher_goes_on() {
+    let app = TestApp::new().await;
+    let (transport, calls) = FnTransport::new(|effect, _| {
+        if effect.destination == "panic" {
+            panic!("transport bug");
+        }
+        Delivery::Delivered {
+            status: None,
+            result: "ok".to_owned(),
+        }
+    });
+    let panicking = enqueue_one(&app, "panic", "k0").await;
+    let fine = [
+        enqueue_one(&app, "ok-1", "k1").await,
+        enqueue_one(&app, "ok-2", "k2").await,
+    ];
+    let d = fn_dispatcher(&app, transport);
+    let (stop, running) = {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let running = tokio::spawn(d.clone().run(async {
+            let _ = stopped.await;
+        }));
+        (stop, running)
+    };
+    let outbox = Outbox::new(app.pool.clone());
+    for _ in 0..400 {
+        let entry = outbox.entry(&panicking).await.unwrap().unwrap();
+        if entry.status == EffectStatus::Dead {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(!running.is_finished(), "the dispatcher is still running");
+
+    let entry = outbox.entry(&panicking).await.unwrap().unwrap();
+    assert_eq!(entry.status, EffectStatus::Dead);
+    assert_eq!(entry.attempts, 3);
+    assert_eq!(entry.last_error.as_deref(), Some("the transport panicked"));
+    for effect in &fine {
+        let entry = outbox.entry(effect).await.unwrap().unwrap();
+        assert_eq!(entry.status, EffectStatus::Delivered);
+    }
+    let open = Quarantine::new(app.pool.clone())
+        .list(QuarantineFilter::Open, 10)
+        .await
+        .unwrap();
+    assert_eq!(open.len(), 1);
+    assert_eq!(open[0].effect_id.as_deref(), Some(panicking.as_str()));
+    assert_eq!(open[0].reason_code, "attempts-exhausted");
+    assert_eq!(
+        calls.lock().unwrap().len(),
+        5,
+        "three panics, two deliveries"
+    );
+
+    // It still serves effects enqueued after the panics.
+    let later = enqueue_one(&app, "ok-3", "k3").await;
+    for _ in 0..400 {
+        if outbox.entry(&later).await.unwrap().unwrap().status == EffectStatus::Delivered {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(
+        outbox.entry(&later).await.unwrap().unwrap().status,
+        EffectStatus::Delivered
+    );
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+}
+
+// ---------------------------------------------------------------------------------------------
+// What HttpTransport refuses.
+
+#[tokio::test]
+async fn a_destination_that_is_not_an_absolute_http_url_is_dead_at_once() {
+    let app = TestApp::new().await;
+    let destinations = ["not a url", "example.com/hook", "ftp://example.com/hook"];
+    let mut effects = Vec::new();
+    for (i, destination) in destinations.iter().enumerate() {
+        effects.push(enqueue_one(&app, destination, &format!("k{i}")).await);
+    }
+    let d = dispatcher(&app, Duration::from_secs(2));
+    let report = d.dispatch_due().await.unwrap();
+    assert_eq!((report.dead, report.retried), (3, 0));
+    let outbox = Outbox::new(app.pool.clone());
+    for effect in &effects {
+        let entry = outbox.entry(effect).await.unwrap().unwrap();
+        assert_eq!(entry.status, EffectStatus::Dead);
+        assert_eq!(entry.attempts, 1);
+        assert_eq!(entry.remote_status, None);
+    }
+    let open = Quarantine::new(app.pool.clone())
+        .list(QuarantineFilter::Open, 10)
+        .await
+        .unwrap();
+    assert_eq!(open.len(), 3);
+    assert!(open.iter().all(|i| i.reason_code == "invalid-destination"));
+}
+
+/// A receiver whose `/hook` redirects (`status`, to `/moved`) and whose `/moved` accepts;
+/// returns the hook's URL and the calls to `/moved`.
+async fn redirecting(status: StatusCode) -> (String, Arc<Mutex<usize>>) {
+    let moved = Arc::new(Mutex::new(0));
+    let counted = moved.clone();
+    let router = Router::new()
+        .route(
+            "/hook",
+            post(move || async move { (status, [("location", "/moved")]).into_response() }),
+        )
+        .route(
+            "/moved",
+            axum::routing::any(move || {
+                *counted.lock().unwrap() += 1;
+                async { (StatusCode::OK, "accepted").into_response() }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    (format!("http://{addr}/hook"), moved)
+}
+
+async fn dead_reason(app: &TestApp, effect: &EffectId) -> (OutboxEntry, String) {
+    let entry = Outbox::new(app.pool.clone())
+        .entry(effect)
+        .await
+        .unwrap()
+        .unwrap();
+    let open = Quarantine::new(app.pool.clone())
+        .list(QuarantineFilter::Open, 10)
+        .await
+        .unwrap();
+    let item = open
+        .iter()
+        .find(|i| i.effect_id.as_deref() == Some(effect.as_str()))
+        .expect("a quarantine item for the effect");
+    (entry, item.reason_code.clone())
+}
+
+#[tokio::test]
+async fn a_redirect_is_not_followed_and_is_dead() {
+    let app = TestApp::new().await;
+    let (url, moved) = redirecting(StatusCode::FOUND).await;
+    let effect = enqueue_one(&app, &url, "k1").await;
+    let report = dispatcher(&app, Duration::from_secs(2))
+        .dispatch_due()
+        .await
+        .unwrap();
+    assert_eq!(report.dead, 1);
+    assert_eq!(*moved.lock().unwrap(), 0, "not followed");
+    let (entry, reason) = dead_reason(&app, &effect).await;
+    assert_eq!(entry.status, EffectStatus::Dead);
+    assert_eq!(entry.remote_status, Some(302));
+    assert!(entry.last_error.unwrap().contains("/moved"));
+    assert_eq!(reason, "http-redirect");
+}
+
+#[tokio::test]
+async fn a_redirect_followed_by_a_callers_client_is_never_delivered() {
+    let app = TestApp::new().await;
+    // reqwest's default client follows redirects; 307 keeps the method and the payload.
+    let (url, moved) = redirecting(StatusCode::TEMPORARY_REDIRECT).await;
+    let effect = enqueue_one(&app, &url, "k1").await;
+    let transport = HttpTransport::with_client(reqwest::Client::new());
+    let report = fn_dispatcher(&app, transport).dispatch_due().await.unwrap();
+    assert_eq!((report.dead, report.delivered), (1, 0));
+    assert_eq!(*moved.lock().unwrap(), 1, "the caller's client followed it");
+    let (entry, reason) = dead_reason(&app, &effect).await;
+    assert_eq!(entry.status, EffectStatus::Dead);
+    assert!(entry.last_error.unwrap().contains("/moved"));
+    assert_eq!(reason, "http-redirect");
 }

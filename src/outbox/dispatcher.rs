@@ -1,9 +1,11 @@
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::stream::{self, StreamExt};
+use futures_util::FutureExt;
 use sqlx::postgres::{PgListener, PgRow};
 use sqlx::{PgPool, Row};
 use tracing::Instrument;
@@ -33,6 +35,9 @@ pub struct DispatchReport {
     pub recovered: usize,
     /// Leases given back unattempted because the dispatcher is stopping.
     pub released: usize,
+    /// Leases lost before the send began: the batch's lease ran out while the effect waited
+    /// for its turn and another dispatcher took it. Not attempted here.
+    pub lost: usize,
     /// Outcomes not recorded because the lease had expired and another dispatcher took the
     /// effect (it delivers again, with the same key), or the database failed.
     pub unrecorded: usize,
@@ -46,6 +51,7 @@ impl DispatchReport {
             ("retry", self.retried),
             ("dead", self.dead),
             ("released", self.released),
+            ("lost", self.lost),
             ("unrecorded", self.unrecorded),
         ];
         for (outcome, n) in outcomes {
@@ -63,6 +69,7 @@ impl DispatchReport {
         self.dead += other.dead;
         self.recovered += other.recovered;
         self.released += other.released;
+        self.lost += other.lost;
         self.unrecorded += other.unrecorded;
     }
 }
@@ -181,14 +188,18 @@ impl<T: Transport> DispatcherBuilder<T> {
         self
     }
 
-    /// How long a lease lasts. It must outlast the delivery timeout; when the instance dies,
-    /// its effects are retried by another after at most this long.
+    /// How long a lease lasts. Each delivery renews its effect's lease right before its send,
+    /// so the lease must outlast one delivery (the delivery timeout) and the recording of its
+    /// outcome, which happens only while the lease holds; when the instance dies, its effects
+    /// are retried by another after at most this long.
     pub fn lease(mut self, lease: Duration) -> Self {
         self.settings.lease = lease;
         self
     }
 
-    /// The bound on one delivery; running over is an ambiguous outcome.
+    /// The bound on one delivery; running over is an ambiguous outcome. It must be at least
+    /// the transport's own bound ([`Transport::call_timeout`]), so that a transport that has
+    /// its answer always returns it before the dispatcher gives up on the call.
     pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
         self.settings.delivery_timeout = timeout;
         self
@@ -225,7 +236,18 @@ impl<T: Transport> DispatcherBuilder<T> {
         }
         if s.lease <= s.delivery_timeout {
             return Err(ConfigError::BadLimit(
-                "the lease must be longer than the delivery timeout",
+                "the lease must be longer than the delivery timeout: each delivery and the \
+                 recording of its outcome must end while its lease holds",
+            ));
+        }
+        if self
+            .transport
+            .call_timeout()
+            .is_some_and(|own| own > s.delivery_timeout)
+        {
+            return Err(ConfigError::BadLimit(
+                "the delivery timeout must be at least the transport's own timeout, or it can \
+                 cut off a delivery the receiver accepted and have it delivered again",
             ));
         }
         if s.backoff_base.is_zero() || s.backoff_cap < s.backoff_base || s.poll_interval.is_zero() {
@@ -243,8 +265,9 @@ impl<T: Transport> DispatcherBuilder<T> {
 }
 
 impl<T: Transport> Dispatcher<T> {
-    /// Leases one batch of due effects, delivers them and records each outcome. Returns what
-    /// it did; an empty report means nothing was due.
+    /// Leases one batch of due effects, delivers them and records each outcome. Each send
+    /// renews its effect's lease right before it starts and is skipped if another dispatcher
+    /// took the effect meanwhile. Returns what it did; an empty report means nothing was due.
     pub async fn dispatch_due(&self) -> Result<DispatchReport, InboxError> {
         self.dispatch_batch(&AtomicBool::new(false)).await
     }
@@ -365,7 +388,7 @@ impl<T: Transport> Dispatcher<T> {
 
     async fn deliver_one(
         &self,
-        effect: Effect,
+        mut effect: Effect,
         token: &str,
         stopping: &AtomicBool,
     ) -> DispatchReport {
@@ -378,6 +401,30 @@ impl<T: Transport> Dispatcher<T> {
                 Ok(1) => report.released = 1,
                 _ => report.unrecorded = 1,
             }
+            report.count_deliveries(&effect.effect_name);
+            return report;
+        }
+        // The batch was leased before the deliveries queued ahead of this one: renew the lease
+        // now so that it covers this send and its recording, unless another dispatcher took the
+        // effect in the meantime.
+        let started: Result<Option<i32>, _> = sqlx::query_scalar(sql::START)
+            .bind(effect.effect_id.as_str())
+            .bind(token)
+            .bind(self.settings.lease.as_secs_f64())
+            .fetch_optional(&self.pool)
+            .await;
+        match started {
+            Ok(Some(attempt)) => effect.attempt = attempt,
+            Ok(None) => {
+                tracing::debug!(effect_id = %effect.effect_id, "lease lost before the send; another dispatcher delivers the effect");
+                report.lost = 1;
+            }
+            Err(err) => {
+                tracing::warn!(effect_id = %effect.effect_id, error = %err, "could not begin the delivery; the effect is due again when its lease runs out");
+                report.unrecorded = 1;
+            }
+        }
+        if report.lost + report.unrecorded > 0 {
             report.count_deliveries(&effect.effect_name);
             return report;
         }
@@ -398,13 +445,19 @@ impl<T: Transport> Dispatcher<T> {
         mut report: DispatchReport,
     ) -> DispatchReport {
         let span = tracing::Span::current();
-        let delivery = match tokio::time::timeout(
-            self.settings.delivery_timeout,
-            self.transport.deliver(&effect),
-        )
-        .await
-        {
-            Ok(delivery) => delivery,
+        // The call is made inside the guarded future so that a transport panicking before it
+        // returns its future is caught too.
+        let call = AssertUnwindSafe(async { self.transport.deliver(&effect).await }).catch_unwind();
+        let delivery = match tokio::time::timeout(self.settings.delivery_timeout, call).await {
+            Ok(Ok(delivery)) => delivery.storable(),
+            // The payload is not logged: a panic message can hold anything the transport had.
+            Ok(Err(_panic)) => {
+                tracing::warn!(effect_id = %effect.effect_id, "the transport panicked; counted as a failed attempt");
+                Delivery::Retry {
+                    status: None,
+                    error: "the transport panicked".to_owned(),
+                }
+            }
             Err(_) => Delivery::Retry {
                 status: None,
                 error: format!(
@@ -443,7 +496,7 @@ impl<T: Transport> Dispatcher<T> {
             Delivery::Retry { status, error } if effect.attempt < self.settings.max_attempts => {
                 span.record("outcome", "retry");
                 let delay = self.backoff(effect.attempt);
-                tracing::info!(effect_id = %id, attempt = effect.attempt, ?delay, %error, "delivery failed; retrying");
+                tracing::info!(effect_id = %id, attempt = effect.attempt, ?delay, status, error = loggable(status, &error), "delivery failed; retrying");
                 let done = self
                     .record(sql::RETRY, id, token, |q| {
                         q.bind(delay.as_secs_f64())
@@ -496,7 +549,7 @@ impl<T: Transport> Dispatcher<T> {
         report: &mut DispatchReport,
     ) -> Result<i64, sqlx::Error> {
         let id = &effect.effect_id;
-        tracing::warn!(effect_id = %id, %reason_code, %error, "effect moved to dead letters");
+        tracing::warn!(effect_id = %id, %reason_code, status, error = loggable(status, &error), "effect moved to dead letters");
         let item: Option<(i64, bool)> = sqlx::query_as(sql::DEAD)
             .bind(id.as_str())
             .bind(token)
@@ -544,6 +597,15 @@ impl<T: Transport> Dispatcher<T> {
             .saturating_mul(1u32 << doublings)
             .min(self.settings.backoff_cap);
         full.mul_f64(0.5 + fastrand::f64() * 0.5)
+    }
+}
+
+/// What a log line may say about a failure. With a status the error text carries the
+/// receiver's answer, which is recorded with the effect but never logged.
+fn loggable(status: Option<u16>, error: &str) -> &str {
+    match status {
+        Some(_) => "see the effect's last_error",
+        None => error,
     }
 }
 

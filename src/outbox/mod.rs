@@ -8,9 +8,42 @@
 //! derived from the message identity, so one command can never produce two effects.
 //!
 //! **Delivery guarantee.** At least once, always with the same idempotency key (the effect
-//! ID). An effect happens exactly once only where the receiver deduplicates by that key: after
-//! an ambiguous outcome (a timeout, a lost response, a dispatcher that died mid-delivery) the
-//! dispatcher cannot know whether the receiver applied it, so it delivers again.
+//! ID, sent by [`HttpTransport`] as `Idempotency-Key`). An effect happens exactly once only
+//! where the receiver deduplicates by that key, because some deliveries are repeated:
+//!
+//! * after an ambiguous outcome (a timeout, a lost connection, a 5xx, a [`Transport`] that
+//!   panicked) the dispatcher cannot know whether the receiver applied the effect, so it
+//!   delivers again;
+//! * a dispatcher that dies after a send and before recording its outcome, or cannot record
+//!   it (its database fails, or is so slow that the lease runs out first), leaves the effect
+//!   pending; when the lease runs out another dispatcher sends again.
+//!
+//! Nothing else repeats a delivery. Each send runs under a lease renewed right before it
+//! starts (a batch is leased at once, but its later sends may start long after), and the
+//! send is skipped when another dispatcher has taken the effect meanwhile; an outcome is
+//! recorded only while that lease holds, and the lease must outlast the delivery timeout.
+//! What a receiver answered cannot make a finished delivery unrecordable either (next
+//! paragraph).
+//!
+//! **What is recorded.** The receiver's answer ([`OutboxEntry::remote_result`]) and the last
+//! failure ([`OutboxEntry::last_error`]) are excerpts: text with NUL characters replaced by
+//! U+FFFD and at most 64 KiB, cut on a character boundary, whatever a transport returns.
+//! [`HttpTransport`] reads at most 64 KiB of a body (invalid UTF-8 replaced), and only for a
+//! short window once the status is known: the status decides the outcome, and a body that is
+//! slow or never ends shortens the excerpt but never turns a 2xx into a retry. It ends each
+//! call within its timeout, and the dispatcher refuses a delivery timeout shorter than that
+//! ([`Transport::call_timeout`]), so it never cuts off a call whose answer has arrived.
+//!
+//! **Refusals.** [`HttpTransport`] does not follow redirects: a 3xx, or a redirect that a
+//! client of the caller's own followed, is a permanent `http-redirect` failure naming the
+//! `Location`. A destination that is not an absolute `http` or `https` URL is a permanent
+//! `invalid-destination` failure. Both go to dead letters and the quarantine at once, where a
+//! person can fix the receiver and repair the item.
+//!
+//! **Panics.** A [`Transport`] that panics fails that attempt like [`Delivery::Retry`]: backoff,
+//! then dead letters (`attempts-exhausted`) after the last attempt. The dispatcher logs a
+//! warning with the effect ID (not the panic's message) and goes on with the other effects;
+//! the process's panic hook still reports the panic as usual.
 //!
 //! ```no_run
 //! use axum::http::StatusCode;

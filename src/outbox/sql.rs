@@ -9,7 +9,8 @@ on conflict (effect_id) do nothing";
 
 /// Leases up to `$1` due rows for `$2` for `$3` seconds in one short statement. The lease
 /// deadline is also the next attempt time, so a lease left by a dead dispatcher simply makes
-/// the row due again when it expires.
+/// the row due again when it expires. No attempt is counted yet: [`START`] counts each one
+/// when its delivery really begins.
 pub(crate) const LEASE: &str = "\
 with due as ( \
     select effect_id from message_outbox \
@@ -20,10 +21,21 @@ with due as ( \
 ) \
 update message_outbox o \
 set lease_owner = $2, lease_until = now() + make_interval(secs => $3), \
-    next_attempt_at = now() + make_interval(secs => $3), attempts = o.attempts + 1 \
+    next_attempt_at = now() + make_interval(secs => $3) \
 from due where o.effect_id = due.effect_id \
 returning o.effect_id, o.effect_name, o.destination, o.payload, o.header_names, \
           o.header_values, o.attempts";
+
+/// Begins one attempt of effect `$1` leased by `$2`, right before its send: renews the lease
+/// for `$3` seconds from now (a batch's later sends start long after the batch was leased)
+/// and counts the attempt. No row means another dispatcher took the effect after this lease
+/// ran out: the send must not happen.
+pub(crate) const START: &str = "\
+update message_outbox \
+set lease_until = now() + make_interval(secs => $3), \
+    next_attempt_at = now() + make_interval(secs => $3), attempts = attempts + 1 \
+where effect_id = $1 and lease_owner = $2 and status = 'pending' \
+returning attempts";
 
 /// Records a delivery, if the lease is still ours, and marks a repaired quarantine item
 /// (key `$5`) recovered in the same statement.
@@ -70,8 +82,7 @@ returning q.id, (q.xmax = 0) as opened";
 /// Gives back leases a stopping dispatcher did not start on; they were not attempted.
 pub(crate) const RELEASE: &str = "\
 update message_outbox \
-set next_attempt_at = now(), lease_owner = null, lease_until = null, \
-    attempts = greatest(attempts - 1, 0) \
+set next_attempt_at = now(), lease_owner = null, lease_until = null \
 where effect_id = $1 and lease_owner = $2 and status = 'pending'";
 
 /// Seconds until the next pending row is due (negative when overdue), or null.
