@@ -13,7 +13,7 @@ use sqlx::PgPool;
 use std::sync::Arc;
 
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
-use tower_inbox::outbox::{enqueue, OutboxMessage};
+use tower_inbox::outbox::OutboxMessage;
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::{
     ConfigError, InboxLayer, InboxLayerBuilder, InboxTx, MessageIdentity, MessageKey, Producer,
@@ -158,7 +158,7 @@ async fn credit(
         let payload = serde_json::to_vec(&body).unwrap_or_default();
         let message =
             OutboxMessage::new(url.as_ref(), payload).header("content-type", "application/json");
-        if let Err(e) = enqueue(&mut *tx, &identity, "credit-webhook", &message).await {
+        if let Err(e) = tx.enqueue("credit-webhook", &message).await {
             tracing::error!(error = %e, "could not enqueue the webhook");
             return problem(
                 StatusCode::INTERNAL_SERVER_ERROR,

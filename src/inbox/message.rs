@@ -15,6 +15,7 @@ use super::{
 use crate::fingerprint::Fingerprint;
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::metrics as m;
+use crate::outbox::{EffectId, Enqueued, OutboxMessage};
 use crate::quarantine::{identity_item_key, QuarantineSource};
 use crate::schema::Schema;
 
@@ -82,6 +83,22 @@ impl ClaimedMessage {
     /// The schema the inbox's tables (and the outbox's) are in.
     pub fn schema(&self) -> &Schema {
         self.inbox.schema()
+    }
+
+    /// Writes the effect `effect_name` of this message to the outbox, in this transaction (and
+    /// the inbox's schema): it commits with the claim and the business change, or not at all.
+    /// Its ID is derived from the identity and the name, so re-running the command never
+    /// writes a second one. See [`outbox`](crate::outbox).
+    pub async fn enqueue(
+        &mut self,
+        effect_name: &str,
+        message: &OutboxMessage,
+    ) -> Result<Enqueued, InboxError> {
+        let schema = self.inbox.schema().clone();
+        let identity = self.identity.clone();
+        let effect_id = EffectId::for_message(&identity, effect_name);
+        crate::outbox::insert(&schema, self, &effect_id, effect_name, Some(&identity), message)
+            .await
     }
 
     /// Asks for this transaction to be rolled back and run again from the start, as after a

@@ -16,6 +16,7 @@ use crate::inbox::{quarantine_moved, quarantine_recovered, InboxError};
 use crate::metrics as m;
 use crate::middleware::ConfigError;
 use crate::quarantine::{effect_item_key, QuarantineSource};
+use crate::schema::Schema;
 
 /// The channel enqueues notify on commit.
 const CHANNEL: &str = "tower_inbox_outbox";
@@ -75,6 +76,7 @@ impl DispatchReport {
 }
 
 struct Settings {
+    schema: Schema,
     instance: String,
     batch_size: i64,
     concurrency: usize,
@@ -151,6 +153,7 @@ impl<T: Transport> Dispatcher<T> {
             pool,
             transport,
             settings: Settings {
+                schema: Schema::default(),
                 instance: format!(
                     "dispatcher-{}-{:08x}",
                     std::process::id(),
@@ -170,6 +173,12 @@ impl<T: Transport> Dispatcher<T> {
 }
 
 impl<T: Transport> DispatcherBuilder<T> {
+    /// The outbox is in `schema` instead of the default one.
+    pub fn schema(mut self, schema: Schema) -> Self {
+        self.settings.schema = schema;
+        self
+    }
+
     /// A name for this instance, used in lease owners and logs.
     pub fn instance(mut self, name: impl Into<String>) -> Self {
         self.settings.instance = name.into();
@@ -343,7 +352,7 @@ impl<T: Transport> Dispatcher<T> {
 
     async fn until_next_due(&self) -> Duration {
         let poll = self.settings.poll_interval;
-        let next: Result<Option<f64>, _> = sqlx::query_scalar(sql::NEXT_DUE)
+        let next: Result<Option<f64>, _> = sqlx::query_scalar(&self.settings.schema.sql(sql::NEXT_DUE))
             .fetch_one(&self.pool)
             .await;
         match next {
@@ -363,7 +372,7 @@ impl<T: Transport> Dispatcher<T> {
             self.settings.instance,
             self.leases.fetch_add(1, Ordering::Relaxed)
         );
-        let rows = sqlx::query(sql::LEASE)
+        let rows = sqlx::query(&self.settings.schema.sql(sql::LEASE))
             .bind(self.settings.batch_size)
             .bind(&token)
             .bind(self.settings.lease.as_secs_f64())
@@ -395,7 +404,7 @@ impl<T: Transport> Dispatcher<T> {
         let mut report = DispatchReport::default();
         if stopping.load(Ordering::SeqCst) {
             match self
-                .record(sql::RELEASE, &effect.effect_id, token, |q| q)
+                .record(&self.settings.schema.sql(sql::RELEASE), &effect.effect_id, token, |q| q)
                 .await
             {
                 Ok(1) => report.released = 1,
@@ -407,7 +416,7 @@ impl<T: Transport> Dispatcher<T> {
         // The batch was leased before the deliveries queued ahead of this one: renew the lease
         // now so that it covers this send and its recording, unless another dispatcher took the
         // effect in the meantime.
-        let started: Result<Option<i32>, _> = sqlx::query_scalar(sql::START)
+        let started: Result<Option<i32>, _> = sqlx::query_scalar(&self.settings.schema.sql(sql::START))
             .bind(effect.effect_id.as_str())
             .bind(token)
             .bind(self.settings.lease.as_secs_f64())
@@ -473,7 +482,7 @@ impl<T: Transport> Dispatcher<T> {
         let recorded = match delivery {
             Delivery::Delivered { status, result } => {
                 span.record("outcome", "delivered");
-                let row = sqlx::query(sql::DELIVERED)
+                let row = sqlx::query(&self.settings.schema.sql(sql::DELIVERED))
                     .bind(id.as_str())
                     .bind(token)
                     .bind(status.map(i32::from))
@@ -498,7 +507,7 @@ impl<T: Transport> Dispatcher<T> {
                 let delay = self.backoff(effect.attempt);
                 tracing::info!(effect_id = %id, attempt = effect.attempt, ?delay, status, error = loggable(status, &error), "delivery failed; retrying");
                 let done = self
-                    .record(sql::RETRY, id, token, |q| {
+                    .record(&self.settings.schema.sql(sql::RETRY), id, token, |q| {
                         q.bind(delay.as_secs_f64())
                             .bind(error)
                             .bind(status.map(i32::from))
@@ -550,7 +559,7 @@ impl<T: Transport> Dispatcher<T> {
     ) -> Result<i64, sqlx::Error> {
         let id = &effect.effect_id;
         tracing::warn!(effect_id = %id, %reason_code, status, error = loggable(status, &error), "effect moved to dead letters");
-        let item: Option<(i64, bool)> = sqlx::query_as(sql::DEAD)
+        let item: Option<(i64, bool)> = sqlx::query_as(&self.settings.schema.sql(sql::DEAD))
             .bind(id.as_str())
             .bind(token)
             .bind(error)

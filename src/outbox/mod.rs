@@ -75,6 +75,7 @@ use time::OffsetDateTime;
 
 use crate::identity::MessageIdentity;
 use crate::inbox::InboxError;
+use crate::schema::Schema;
 
 pub use dispatcher::{DispatchReport, Dispatcher, DispatcherBuilder};
 pub use transport::{Delivery, HttpTransport, Transport};
@@ -171,12 +172,15 @@ pub struct Enqueued {
     pub inserted: bool,
 }
 
-/// Writes the effect `effect_name` of the message `identity` to the outbox, on `conn`: the
-/// claimed transaction (`&mut *tx` for an [`InboxTx`](crate::InboxTx), `&mut message` for
-/// a [`ClaimedMessage`](crate::ClaimedMessage), both watched for serialization failures
-/// and deadlocks) or any sqlx connection or transaction (`&mut *sqlx_tx`).
+/// Writes the effect `effect_name` of the message `identity` to the outbox in the default
+/// schema, on `conn`: the claimed transaction (`&mut *tx` for an
+/// [`InboxTx`](crate::InboxTx), `&mut message` for a
+/// [`ClaimedMessage`](crate::ClaimedMessage), both watched for serialization failures and
+/// deadlocks) or any sqlx connection or transaction (`&mut *sqlx_tx`).
 ///
-/// Dispatchers are woken when the transaction commits; a rollback leaves no trace.
+/// Dispatchers are woken when the transaction commits; a rollback leaves no trace. In a
+/// handler, [`ClaimedMessage::enqueue`](crate::ClaimedMessage::enqueue) does the same in the
+/// layer's schema; [`Outbox::enqueue`] takes the schema of its outbox.
 pub async fn enqueue<'c>(
     conn: impl Executor<'c, Database = Postgres>,
     identity: &MessageIdentity,
@@ -184,7 +188,15 @@ pub async fn enqueue<'c>(
     message: &OutboxMessage,
 ) -> Result<Enqueued, InboxError> {
     let effect_id = EffectId::for_message(identity, effect_name);
-    insert(conn, &effect_id, effect_name, Some(identity), message).await
+    insert(
+        &Schema::default(),
+        conn,
+        &effect_id,
+        effect_name,
+        Some(identity),
+        message,
+    )
+    .await
 }
 
 /// Like [`enqueue`], with an effect ID chosen by the caller and no message identity.
@@ -194,10 +206,19 @@ pub async fn enqueue_with_id<'c>(
     effect_name: &str,
     message: &OutboxMessage,
 ) -> Result<Enqueued, InboxError> {
-    insert(conn, &effect_id, effect_name, None, message).await
+    insert(
+        &Schema::default(),
+        conn,
+        &effect_id,
+        effect_name,
+        None,
+        message,
+    )
+    .await
 }
 
-async fn insert<'c>(
+pub(crate) async fn insert<'c>(
+    schema: &Schema,
     conn: impl Executor<'c, Database = Postgres>,
     effect_id: &EffectId,
     effect_name: &str,
@@ -206,12 +227,13 @@ async fn insert<'c>(
 ) -> Result<Enqueued, InboxError> {
     let names: Vec<&str> = message.headers.iter().map(|(n, _)| n.as_str()).collect();
     let values: Vec<&str> = message.headers.iter().map(|(_, v)| v.as_str()).collect();
-    let result = sqlx::query(sql::ENQUEUE)
+    let sql = schema.sql(sql::ENQUEUE);
+    let result = sqlx::query(&sql)
         .bind(effect_id.as_str())
         .bind(effect_name)
-        .bind(identity.map(|i| i.consumer()))
-        .bind(identity.map(|i| i.producer().name()))
-        .bind(identity.map(|i| i.tenant_column()))
+        .bind(identity.map(|i| i.consumer().as_bytes()))
+        .bind(identity.map(|i| i.producer().name().as_bytes()))
+        .bind(identity.map(|i| i.tenant_column().as_bytes()))
         .bind(identity.map(|i| i.message_id().as_str()))
         .bind(&message.destination)
         .bind(&message.payload[..])
@@ -277,21 +299,63 @@ pub struct OutboxEntry {
     pub delivered_at: Option<OffsetDateTime>,
 }
 
-/// Reads the outbox.
+/// The outbox in one schema: writes effects, reads them back.
 #[derive(Debug, Clone)]
 pub struct Outbox {
     pool: PgPool,
+    schema: Schema,
 }
 
 impl Outbox {
-    /// The outbox over `pool`.
+    /// The outbox over `pool`, in the default schema.
     pub fn new(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            schema: Schema::default(),
+        }
+    }
+
+    /// The outbox's tables are in `schema`.
+    pub fn with_schema(mut self, schema: Schema) -> Self {
+        self.schema = schema;
+        self
+    }
+
+    /// [`enqueue`], in this outbox's schema.
+    pub async fn enqueue<'c>(
+        &self,
+        conn: impl Executor<'c, Database = Postgres>,
+        identity: &MessageIdentity,
+        effect_name: &str,
+        message: &OutboxMessage,
+    ) -> Result<Enqueued, InboxError> {
+        let effect_id = EffectId::for_message(identity, effect_name);
+        insert(
+            &self.schema,
+            conn,
+            &effect_id,
+            effect_name,
+            Some(identity),
+            message,
+        )
+        .await
+    }
+
+    /// [`enqueue_with_id`], in this outbox's schema.
+    pub async fn enqueue_with_id<'c>(
+        &self,
+        conn: impl Executor<'c, Database = Postgres>,
+        effect_id: EffectId,
+        effect_name: &str,
+        message: &OutboxMessage,
+    ) -> Result<Enqueued, InboxError> {
+        insert(&self.schema, conn, &effect_id, effect_name, None, message).await
     }
 
     /// One effect's row.
     pub async fn entry(&self, effect_id: &EffectId) -> Result<Option<OutboxEntry>, InboxError> {
-        let row = sqlx::query(sql::ENTRY)
+        let sql = self.schema.sql(sql::ENTRY);
+        let row = sqlx::query(&sql)
             .bind(effect_id.as_str())
             .fetch_optional(&self.pool)
             .await

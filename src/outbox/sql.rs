@@ -1,11 +1,22 @@
-//! The outbox statements, next to `migrations/20261202000002_outbox_quarantine.sql`.
+//! The outbox statements, next to `migrations/20261204000002_outbox_quarantine.sql`.
 
-pub(crate) const ENQUEUE: &str = "\
-insert into message_outbox \
-    (effect_id, effect_name, consumer_name, producer_name, tenant_id, message_id, \
-     destination, payload, header_names, header_values) \
-values ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
-on conflict (effect_id) do nothing";
+use crate::inbox::sql::utf8;
+
+/// Writes an effect unless its ID is there already. The identity's names (`$3` to `$5`) are
+/// bound as UTF-8 bytes, like the inbox's; null for an effect without a message identity.
+pub(crate) const ENQUEUE: &str = concat!(
+    "insert into tower_inbox.message_outbox \
+         (effect_id, effect_name, consumer_name, producer_name, tenant_id, message_id, \
+          destination, payload, header_names, header_values) \
+     values ($1, $2, ",
+    utf8!("$3"),
+    ", ",
+    utf8!("$4"),
+    ", ",
+    utf8!("$5"),
+    ", $6, $7, $8, $9, $10) \
+     on conflict (effect_id) do nothing"
+);
 
 /// Leases up to `$1` due rows for `$2` for `$3` seconds in one short statement. The lease
 /// deadline is also the next attempt time, so a lease left by a dead dispatcher simply makes
@@ -13,15 +24,15 @@ on conflict (effect_id) do nothing";
 /// when its delivery really begins.
 pub(crate) const LEASE: &str = "\
 with due as ( \
-    select effect_id from message_outbox \
-    where status = 'pending' and next_attempt_at <= now() \
+    select effect_id from tower_inbox.message_outbox \
+    where status = 'pending' and next_attempt_at <= pg_catalog.now() \
     order by next_attempt_at \
     limit $1 \
     for update skip locked \
 ) \
-update message_outbox o \
-set lease_owner = $2, lease_until = now() + make_interval(secs => $3), \
-    next_attempt_at = now() + make_interval(secs => $3) \
+update tower_inbox.message_outbox o \
+set lease_owner = $2, lease_until = pg_catalog.now() + pg_catalog.make_interval(secs => $3), \
+    next_attempt_at = pg_catalog.now() + pg_catalog.make_interval(secs => $3) \
 from due where o.effect_id = due.effect_id \
 returning o.effect_id, o.effect_name, o.destination, o.payload, o.header_names, \
           o.header_values, o.attempts";
@@ -31,9 +42,9 @@ returning o.effect_id, o.effect_name, o.destination, o.payload, o.header_names, 
 /// and counts the attempt. No row means another dispatcher took the effect after this lease
 /// ran out: the send must not happen.
 pub(crate) const START: &str = "\
-update message_outbox \
-set lease_until = now() + make_interval(secs => $3), \
-    next_attempt_at = now() + make_interval(secs => $3), attempts = attempts + 1 \
+update tower_inbox.message_outbox \
+set lease_until = pg_catalog.now() + pg_catalog.make_interval(secs => $3), \
+    next_attempt_at = pg_catalog.now() + pg_catalog.make_interval(secs => $3), attempts = attempts + 1 \
 where effect_id = $1 and lease_owner = $2 and status = 'pending' \
 returning attempts";
 
@@ -41,22 +52,22 @@ returning attempts";
 /// (key `$5`) recovered in the same statement.
 pub(crate) const DELIVERED: &str = "\
 with done as ( \
-    update message_outbox \
-    set status = 'delivered', delivered_at = now(), remote_status = $3, remote_result = $4, \
+    update tower_inbox.message_outbox \
+    set status = 'delivered', delivered_at = pg_catalog.now(), remote_status = $3, remote_result = $4, \
         last_error = null, lease_owner = null, lease_until = null \
     where effect_id = $1 and lease_owner = $2 and status = 'pending' \
     returning effect_id \
 ), recovered as ( \
-    update inbox_quarantine q set recovered_at = now() \
+    update tower_inbox.inbox_quarantine q set recovered_at = pg_catalog.now() \
     from done \
     where q.item_key = $5 and q.decision = 'repair' and q.recovered_at is null \
     returning q.id \
 ) \
-select (select count(*) from done) as delivered, (select count(*) from recovered) as recovered";
+select (select pg_catalog.count(*) from done) as delivered, (select pg_catalog.count(*) from recovered) as recovered";
 
 pub(crate) const RETRY: &str = "\
-update message_outbox \
-set next_attempt_at = now() + make_interval(secs => $3), last_error = $4, remote_status = $5, \
+update tower_inbox.message_outbox \
+set next_attempt_at = pg_catalog.now() + pg_catalog.make_interval(secs => $3), last_error = $4, remote_status = $5, \
     lease_owner = null, lease_until = null \
 where effect_id = $1 and lease_owner = $2 and status = 'pending'";
 
@@ -64,33 +75,33 @@ where effect_id = $1 and lease_owner = $2 and status = 'pending'";
 /// Returns the item and whether this statement opened it.
 pub(crate) const DEAD: &str = "\
 with dead as ( \
-    update message_outbox \
+    update tower_inbox.message_outbox \
     set status = 'dead', last_error = $3, remote_status = $4, lease_owner = null, lease_until = null \
     where effect_id = $1 and lease_owner = $2 and status = 'pending' \
     returning * \
 ) \
-insert into inbox_quarantine as q \
+insert into tower_inbox.inbox_quarantine as q \
     (source, item_key, consumer_name, producer_name, tenant_id, message_id, effect_id, \
      payload_sha256, payload_ref, reason_code, attempts) \
 select 'dead-effect', $5, consumer_name, producer_name, tenant_id, message_id, effect_id, \
-       encode(sha256(payload), 'hex'), 'message_outbox:' || effect_id, $6, attempts \
+       pg_catalog.encode(pg_catalog.sha256(payload), 'hex'), 'message_outbox:' || effect_id, $6, attempts \
 from dead \
 on conflict (item_key) where decision is null do update \
-set attempts = excluded.attempts, last_failed_at = now(), reason_code = excluded.reason_code \
+set attempts = excluded.attempts, last_failed_at = pg_catalog.now(), reason_code = excluded.reason_code \
 returning q.id, (q.xmax = 0) as opened";
 
 /// Gives back leases a stopping dispatcher did not start on; they were not attempted.
 pub(crate) const RELEASE: &str = "\
-update message_outbox \
-set next_attempt_at = now(), lease_owner = null, lease_until = null \
+update tower_inbox.message_outbox \
+set next_attempt_at = pg_catalog.now(), lease_owner = null, lease_until = null \
 where effect_id = $1 and lease_owner = $2 and status = 'pending'";
 
 /// Seconds until the next pending row is due (negative when overdue), or null.
 pub(crate) const NEXT_DUE: &str = "\
-select extract(epoch from (min(next_attempt_at) - now()))::float8 \
-from message_outbox where status = 'pending'";
+select extract(epoch from (pg_catalog.min(next_attempt_at) - pg_catalog.now()))::float8 \
+from tower_inbox.message_outbox where status = 'pending'";
 
 pub(crate) const ENTRY: &str = "\
 select effect_id, effect_name, status, attempts, last_error, remote_status, remote_result, \
        created_at, delivered_at \
-from message_outbox where effect_id = $1";
+from tower_inbox.message_outbox where effect_id = $1";
