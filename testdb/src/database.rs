@@ -1,13 +1,15 @@
 //! Per-test databases and named databases for examples and benches.
 
-use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Weak;
+use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Connection, Executor, PgConnection};
 
+use crate::cluster::Instance;
 use crate::error::{Context, Error};
+use crate::owner::{is_gone, owned_name, owner_pid};
 use crate::server::{self, server_async, Server, ServerKind};
 
 /// Prefix of every database [`TestDatabase::create`] makes; the creating
@@ -23,7 +25,6 @@ const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(30);
 /// PostgreSQL's limit on identifier length, in bytes.
 const MAX_IDENTIFIER_LEN: usize = 63;
 
-static COUNTER: AtomicU64 = AtomicU64::new(0);
 static STALE_CLEANUP_STARTED: AtomicBool = AtomicBool::new(false);
 
 /// A database of its own for one test, dropped when this value is dropped.
@@ -42,13 +43,16 @@ static STALE_CLEANUP_STARTED: AtomicBool = AtomicBool::new(false);
 /// Dropping blocks the current thread until `DROP DATABASE ... WITH (FORCE)`
 /// has run (PostgreSQL 13 or later), which also ends connections that pools
 /// of the test still hold. Failures to drop are printed to stderr, never
-/// raised.
+/// raised. A database on a [`Cluster`](crate::Cluster) that is already gone
+/// went with it, so there is nothing left to drop.
 #[derive(Debug)]
 pub struct TestDatabase {
     name: String,
     url: String,
     options: PgConnectOptions,
     maintenance: PgConnectOptions,
+    /// The private cluster the database is on, if any.
+    cluster: Option<Weak<Instance>>,
 }
 
 impl TestDatabase {
@@ -69,7 +73,24 @@ impl TestDatabase {
             drop_stale_databases(&mut conn).await;
         }
 
-        let name = unique_name();
+        Self::create_with(server, conn, None).await
+    }
+
+    /// Creates a new, empty database on the private cluster `cluster`,
+    /// whose server is `server`.
+    pub(crate) async fn create_on(server: &Server, cluster: Weak<Instance>) -> Result<Self, Error> {
+        let conn = connect_maintenance(server).await?;
+        Self::create_with(server, conn, Some(cluster)).await
+    }
+
+    /// Creates the database through `conn`, a maintenance connection to
+    /// `server`, and closes `conn`.
+    async fn create_with(
+        server: &Server,
+        mut conn: PgConnection,
+        cluster: Option<Weak<Instance>>,
+    ) -> Result<Self, Error> {
+        let name = owned_name(TEST_DB_PREFIX);
         execute(
             &mut conn,
             &format!("CREATE DATABASE {}", quote_ident(&name)),
@@ -84,6 +105,7 @@ impl TestDatabase {
             options: server.database_options(&name),
             maintenance: server.maintenance_options(),
             name,
+            cluster,
         })
     }
 
@@ -117,6 +139,12 @@ impl TestDatabase {
 
 impl Drop for TestDatabase {
     fn drop(&mut self) {
+        // Held until the database is dropped: the cluster stops only after.
+        let _cluster = match self.cluster.as_ref().map(Weak::upgrade) {
+            Some(None) => return,
+            Some(Some(instance)) => Some(instance),
+            None => None,
+        };
         // Drop cannot await, and the caller's runtime (if any) may be a
         // current-thread one that is busy running us: a thread with its own
         // runtime does the work.
@@ -260,12 +288,8 @@ async fn drop_stale_databases(conn: &mut PgConnection) {
             return;
         }
     };
-    let me = std::process::id();
     for name in names {
-        let Some(pid) = creator_pid(&name) else {
-            continue;
-        };
-        if pid == me || Path::new(&format!("/proc/{pid}")).exists() {
+        if !owner_pid(&name, TEST_DB_PREFIX).is_some_and(is_gone) {
             continue;
         }
         let sql = format!(
@@ -276,28 +300,6 @@ async fn drop_stale_databases(conn: &mut PgConnection) {
             eprintln!("tower-inbox-testdb: cannot drop stale test database {name}: {err}");
         }
     }
-}
-
-/// The pid in a name made by [`unique_name`].
-fn creator_pid(name: &str) -> Option<u32> {
-    name.strip_prefix(TEST_DB_PREFIX)?
-        .split('_')
-        .next()?
-        .parse()
-        .ok()
-}
-
-fn unique_name() -> String {
-    let counter = COUNTER.fetch_add(1, Ordering::Relaxed);
-    // The pid and counter make names unique within a run; the time suffix
-    // keeps a recycled pid from colliding with a leftover of an earlier run.
-    let nanos = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |elapsed| elapsed.subsec_nanos());
-    format!(
-        "{TEST_DB_PREFIX}{}_{counter}_{nanos:08x}",
-        std::process::id()
-    )
 }
 
 fn validate_name(name: &str) -> Result<(), Error> {
@@ -336,21 +338,8 @@ mod tests {
     }
 
     #[test]
-    fn names_are_unique_valid_and_carry_the_pid() {
-        let a = unique_name();
-        let b = unique_name();
-        assert_ne!(a, b);
-        for name in [&a, &b] {
-            validate_name(name).expect("valid name");
-            assert_eq!(creator_pid(name), Some(std::process::id()));
-        }
-    }
-
-    #[test]
-    fn parses_creator_pids() {
-        assert_eq!(creator_pid("tower_inbox_t_123_4_abc"), Some(123));
-        assert_eq!(creator_pid("tower_inbox_t_x_4_abc"), None);
-        assert_eq!(creator_pid("other_123"), None);
+    fn test_database_names_are_valid() {
+        validate_name(&owned_name(TEST_DB_PREFIX)).expect("valid name");
     }
 
     #[test]

@@ -6,6 +6,8 @@
 //! - [`app_database_url`] gives examples and benches a named database that
 //!   persists between runs.
 //! - [`server()`] tells which server is used and how it was found.
+//! - [`Cluster`] starts a private server for a test that needs one: to read
+//!   its log, to give it settings, or to set its clock off.
 //!
 //! The server is chosen once per process: `DATABASE_URL` if set, else a
 //! server listening on `127.0.0.1:5432`, else a throwaway cluster started
@@ -32,11 +34,15 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod cluster;
 mod database;
 mod error;
+mod owner;
+mod postgres;
 mod server;
 mod throwaway;
 
+pub use cluster::{Cluster, ClusterBuilder, LogMark};
 pub use database::{app_database_url, TestDatabase};
 pub use error::Error;
 pub use server::{server, Server, ServerKind};

@@ -26,7 +26,7 @@ const LOCAL_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 /// How long to wait for something to answer on the local address.
 const LOCAL_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Where the server returned by [`server()`] came from.
+/// Where a [`Server`] came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ServerKind {
     /// The server named by `DATABASE_URL`.
@@ -37,6 +37,8 @@ pub enum ServerKind {
     /// test processes of a run and stopped a few seconds after the last one
     /// exits.
     Throwaway,
+    /// A private cluster of one test, started by [`Cluster`](crate::Cluster).
+    Cluster,
 }
 
 impl std::fmt::Display for ServerKind {
@@ -45,13 +47,15 @@ impl std::fmt::Display for ServerKind {
             Self::Env => "env",
             Self::Local => "local",
             Self::Throwaway => "throwaway",
+            Self::Cluster => "cluster",
         })
     }
 }
 
 /// A PostgreSQL server this process may create and drop databases on.
 ///
-/// Obtained from [`server()`]; lives for the rest of the process.
+/// Obtained from [`server()`], which lives for the rest of the process, or
+/// from [`Cluster::server`](crate::Cluster::server).
 #[derive(Debug)]
 pub struct Server {
     kind: ServerKind,
@@ -60,7 +64,7 @@ pub struct Server {
 }
 
 impl Server {
-    fn new(kind: ServerKind, maintenance_url: String) -> Result<Self, Error> {
+    pub(crate) fn new(kind: ServerKind, maintenance_url: String) -> Result<Self, Error> {
         let maintenance_options = PgConnectOptions::from_str(&maintenance_url)
             .context(|| format!("invalid PostgreSQL URL {}", redact(&maintenance_url)))?
             // CREATE/DROP DATABASE statements are noise in test logs.
@@ -105,7 +109,7 @@ impl Server {
     /// the process that created a database is still alive.
     pub(crate) fn is_on_this_machine(&self) -> bool {
         match self.kind {
-            ServerKind::Local | ServerKind::Throwaway => true,
+            ServerKind::Local | ServerKind::Throwaway | ServerKind::Cluster => true,
             ServerKind::Env => {
                 let options = &self.maintenance_options;
                 let host = options.get_host();
