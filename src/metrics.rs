@@ -44,7 +44,8 @@ pub const REQUESTS_REFUSED: &str = "inbox_requests_refused_total";
 /// Transactions rolled back and re-run after a serialization failure or deadlock, or at the
 /// handler's request.
 pub const TRANSACTION_RETRIES: &str = "inbox_transaction_retries_total";
-/// The time the claim statement took, waiting on an in-flight original's lock included.
+/// The time a claim took, for each claim that ran its claim statement or waited for an
+/// in-flight original (a duplicate answered by the first lookup is not timed).
 pub const CLAIM_WAIT: &str = "inbox_claim_wait_seconds";
 /// Attempts that rolled back and were counted as failed, by stable reason code.
 pub const HANDLER_FAILURES: &str = "inbox_handler_failures_total";
@@ -193,7 +194,7 @@ pub const METRICS: &[MetricInfo] = &[
         Histogram,
         &["consumer"],
         Unit::Seconds,
-        "time the claim statement took, waiting on an in-flight original's lock included",
+        "time a claim took, for claims that ran the claim statement or waited for an in-flight original",
     ),
     info(
         HANDLER_FAILURES,

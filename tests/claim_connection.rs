@@ -1,8 +1,8 @@
-//! The claim opens its transaction and claims in one message (`BEGIN …; select
-//! tower_inbox_claim_or_raise(…)`), outside sqlx's own `Transaction`. Whatever the claim
-//! answers — claimed, duplicate, conflict, in progress, a database error, or a claim
-//! cancelled while it waits — the connection it used must go back to the pool outside any
-//! transaction (or be closed), and the answer must carry the recorded row exactly.
+//! Whatever the claim answers — claimed, duplicate, conflict, in progress, a database error,
+//! or a claim cancelled while it waits — the connection it used must go back to the pool
+//! outside any transaction (a duplicate's empty transaction is dropped, and sqlx rolls it
+//! back before the connection is used again), a waiting claim must hold no connection, and
+//! the answer must carry the recorded row exactly.
 //!
 //! Each test gives the inbox a pool of one connection, so the next statement on that pool
 //! runs on the very connection the claim used; another connection checks that statement
@@ -83,9 +83,9 @@ async fn assert_clean(app: &TestApp, pool: &PgPool, marker: i32, holders: usize)
     .await
     .expect("pg_stat_activity");
     assert_eq!(in_transaction.len(), holders, "{in_transaction:?}");
-    // A holder is a claim made on purpose, its last message the claim's BEGIN.
+    // A holder is a claim made on purpose, its last statement the claim.
     for query in &in_transaction {
-        assert!(query.contains("tower_inbox_claim_or_raise"), "{query}");
+        assert!(query.contains("pg_try_advisory_xact_lock"), "{query}");
     }
 }
 
@@ -222,57 +222,47 @@ async fn a_claim_in_progress_elsewhere_leaves_the_connection_clean() {
 }
 
 #[tokio::test]
-async fn a_claim_cancelled_while_it_waits_closes_its_connection() {
+async fn a_waiting_claim_holds_no_connection_and_a_cancelled_one_leaves_nothing() {
     let (app, pool) = app_with_probe().await;
     let holder = Inbox::new(app.pool.clone());
     let inbox = Inbox::new(pool.clone());
     let fingerprint = Fingerprint::of_bytes(b"payload");
     let held = claimed(&holder, "k", Duration::ZERO).await;
 
-    // The waiting claim is inside its BEGIN's message when it is dropped.
-    let waiting = inbox.claim(identity("k"), fingerprint, "v1", Duration::from_secs(30));
+    let mut waiting =
+        Box::pin(inbox.claim(identity("k"), fingerprint, "v1", Duration::from_secs(30)));
     tokio::select! {
-        claim = waiting => panic!("the claim waits for the holder: {claim:?}"),
-        () = common::wait_until_a_lock_is_awaited(&app.pool) => {}
+        claim = &mut waiting => panic!("the claim waits for the holder: {claim:?}"),
+        () = common::wait_until_waiting(&inbox, 1) => {}
     }
-
-    // The holder lets go: the cancelled claim's backend now gets the row lock and claims.
-    // Had its connection gone back to the pool, the pool would hand out a connection
-    // inside that transaction; closed, the backend ends and rolls back.
-    held.rollback().await.unwrap();
-    let mut other = PgConnection::connect(app.db.url()).await.expect("connect");
-    let mut left = Vec::new();
-    for _ in 0..500 {
-        left = sqlx::query_scalar::<_, String>(
-            "select state from pg_stat_activity
-             where datname = current_database() and pid <> pg_backend_pid()
-               and state <> 'idle' and query like '%tower_inbox_claim_or_raise%'",
-        )
-        .fetch_all(&mut other)
-        .await
-        .expect("pg_stat_activity");
-        if left.is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    assert!(
-        left.is_empty(),
-        "the cancelled claim's session lives on: {left:?}"
+    // It waits in this process: the pool's only connection is free for other work.
+    assert_pool_connection_clean_but_for_holder(&app, &pool, 1).await;
+    drop(waiting);
+    assert_eq!(
+        inbox.waiting_claims(),
+        0,
+        "a cancelled claim no longer waits"
     );
-    assert_pool_connection_clean(&app, &pool, 1).await;
+
+    held.rollback().await.unwrap();
+    assert_pool_connection_clean(&app, &pool, 2).await;
     let message = claimed(&inbox, "k", Duration::ZERO).await;
     message.commit(None).await.unwrap();
-    assert_pool_connection_clean(&app, &pool, 2).await;
+    assert_pool_connection_clean(&app, &pool, 3).await;
 }
 
 #[tokio::test]
 async fn a_failing_claim_reports_its_error_and_leaves_the_connection_clean() {
     let (app, pool) = app_with_probe().await;
-    sqlx::query("drop function tower_inbox_claim_or_raise")
-        .execute(&app.pool)
-        .await
-        .expect("drop");
+    sqlx::raw_sql(
+        "create function public.refuse() returns trigger language plpgsql as
+             $$ begin raise exception 'refused' using errcode = 'P0001'; end $$;
+         create trigger refuse before insert on tower_inbox.consumer_inbox
+             for each row execute function public.refuse();",
+    )
+    .execute(&app.pool)
+    .await
+    .expect("trigger");
     let inbox = Inbox::new(pool.clone());
     let err = inbox
         .claim(
@@ -282,21 +272,21 @@ async fn a_failing_claim_reports_its_error_and_leaves_the_connection_clean() {
             Duration::ZERO,
         )
         .await
-        .expect_err("the claim function is missing");
+        .expect_err("the insert is refused");
     match &err {
         InboxError::Database(sqlx::Error::Database(db)) => {
-            assert_eq!(db.code().as_deref(), Some("42883"), "{db}")
+            assert_eq!(db.code().as_deref(), Some("P0001"), "{db}")
         }
         other => panic!("expected the database's own error, got {other:?}"),
     }
     assert_pool_connection_clean(&app, &pool, 1).await;
 }
 
-/// The claim names its identity in SQL text, the lookup with bound parameters: for any
-/// consumer name, the row the claim wrote is the row a bound lookup finds, and a second
-/// claim reads it back as a duplicate. A NUL, which PostgreSQL text cannot hold, is an error.
+/// The names of an identity travel as UTF-8 bytes and are decoded by the server: for any
+/// consumer name, the row the claim wrote is the row the lookup finds, and a second claim
+/// reads it back as a duplicate. A NUL, which PostgreSQL text cannot hold, is an error.
 #[test]
-fn any_consumer_name_round_trips_through_the_claim_text() {
+fn any_consumer_name_round_trips_through_the_claim() {
     use proptest::prelude::*;
     use proptest::test_runner::{Config, TestRunner};
 

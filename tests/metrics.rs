@@ -187,10 +187,13 @@ type Move<'a> = (&'a str, &'a [(&'a str, &'a str)], u64);
 
 /// A command committed for the first time: one claim, one first-seen.
 const COMMITTED: &[Move<'static>] = &[(m::FIRST_SEEN, &[], 1), (m::CLAIM_WAIT, &[], 1)];
-/// A duplicate answered from the record.
-const REPLAYED: &[Move<'static>] = &[(m::DUPLICATES, &[], 1), (m::CLAIM_WAIT, &[], 1)];
-/// The same key with another payload.
-const CONFLICTED: &[Move<'static>] = &[(m::IDENTITY_CONFLICTS, &[], 1), (m::CLAIM_WAIT, &[], 1)];
+/// A duplicate answered from the record by the lookup before the claim (the default): no
+/// claim ran, none is timed.
+const REPLAYED: &[Move<'static>] = &[(m::DUPLICATES, &[], 1)];
+/// A duplicate answered by a claim that found the key taken (the lookup off).
+const REPLAYED_BY_CLAIM: &[Move<'static>] = &[(m::DUPLICATES, &[], 1), (m::CLAIM_WAIT, &[], 1)];
+/// The same key with another payload, found by the lookup.
+const CONFLICTED: &[Move<'static>] = &[(m::IDENTITY_CONFLICTS, &[], 1)];
 /// A guarded request without a key, refused (the default).
 const KEY_REFUSED: &[Move<'static>] = &[
     (m::KEY_MISSING, &[("action", "refused")], 1),
@@ -444,7 +447,7 @@ async fn a_first_seen_command_counts_first_seen_and_one_claim_wait() {
 }
 
 #[tokio::test]
-async fn a_sequential_duplicate_counts_a_duplicate_and_one_claim_wait() {
+async fn a_sequential_duplicate_counts_a_duplicate_and_no_claim_wait() {
     let app = TestApp::new().await;
     let router = credits(&app, "duplicate", |b| b);
     send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
@@ -452,6 +455,18 @@ async fn a_sequential_duplicate_counts_a_duplicate_and_one_claim_wait() {
     let reply = send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
     assert!(reply.replayed());
     probe.assert_moved(REPLAYED);
+    assert_eq!(app.ledger_rows("a1").await, 1);
+}
+
+#[tokio::test]
+async fn a_duplicate_found_by_the_claim_counts_a_duplicate_and_one_claim_wait() {
+    let app = TestApp::new().await;
+    let router = credits(&app, "claimed-duplicate", |b| b.lookup_before_claim(false));
+    send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
+    let mut probe = Probe::consumer("claimed-duplicate");
+    let reply = send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
+    assert!(reply.replayed());
+    probe.assert_moved(REPLAYED_BY_CLAIM);
     assert_eq!(app.ledger_rows("a1").await, 1);
 }
 
@@ -491,8 +506,10 @@ async fn a_duplicate_answered_by_the_lookup_counts_a_duplicate_and_no_claim() {
 #[tokio::test]
 async fn claim_at_commit_counts_first_seen_and_a_lost_claim_as_a_duplicate() {
     let app = TestApp::new().await;
+    // Without the lookup, the duplicate runs and loses its claim at commit.
     let router = credits(&app, "at-commit", |b| {
         b.claim_mode(tower_inbox::ClaimMode::AtCommit)
+            .lookup_before_claim(false)
     });
     let mut probe = Probe::consumer("at-commit");
     send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
@@ -500,7 +517,7 @@ async fn claim_at_commit_counts_first_seen_and_a_lost_claim_as_a_duplicate() {
     probe.assert_moved(COMMITTED);
     let reply = send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
     assert!(reply.replayed());
-    probe.assert_moved(REPLAYED);
+    probe.assert_moved(REPLAYED_BY_CLAIM);
     assert_eq!(app.ledger_rows("a1").await, 1);
 }
 
@@ -748,10 +765,8 @@ async fn database_errors_are_counted_by_kind() {
     let mut probe = Probe::consumer("db-unmigrated");
     let reply = send(&unmigrated, credit("a1", Some("k1"), Some("app"), 1)).await;
     assert_eq!(reply.problem_type(), "internal");
-    probe.assert_moved(&[
-        (m::DATABASE_ERRORS, &[("kind", "internal")], 1),
-        (m::CLAIM_WAIT, &[], 1),
-    ]);
+    // The lookup fails first; a failed claim is not timed.
+    probe.assert_moved(&[(m::DATABASE_ERRORS, &[("kind", "internal")], 1)]);
 
     // A deferred constraint refuses the COMMIT: counted by the commit, not as first seen.
     let app = TestApp::new().await;
@@ -777,6 +792,7 @@ async fn database_errors_are_counted_by_kind() {
     let mut probe = Probe::consumer("db-commit");
     let reply = send(&refused_at_commit, credit("a1", Some("k1"), Some("app"), 1)).await;
     assert_eq!(reply.problem_type(), "internal");
+    // The claim succeeded (and was timed); the commit failed.
     probe.assert_moved(&[
         (m::DATABASE_ERRORS, &[("kind", "internal")], 1),
         (m::CLAIM_WAIT, &[], 1),
@@ -893,10 +909,7 @@ async fn the_producer_label_is_recorded_only_when_asked_for() {
         (m::CLAIM_WAIT, &[], 1),
     ]);
     send(&router, credit("a1", Some("k1"), Some("app"), 1)).await;
-    probe.assert_moved(&[
-        (m::DUPLICATES, &[("producer", "app")], 1),
-        (m::CLAIM_WAIT, &[], 1),
-    ]);
+    probe.assert_moved(&[(m::DUPLICATES, &[("producer", "app")], 1)]);
     send(&router, credit("a1", None, Some("app"), 1)).await;
     probe.assert_moved(KEY_REFUSED);
 }

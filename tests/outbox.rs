@@ -846,11 +846,13 @@ async fn a_send_whose_lease_another_dispatcher_took_is_skipped() {
     // when the batch's lease runs out and another leases the effect).
     let first = receiver.calls.lock().unwrap()[0].clone();
     let waiting = effects.iter().find(|e| e.as_str() != first).unwrap();
-    sqlx::query("update message_outbox set lease_owner = 'another' where effect_id = $1")
-        .bind(waiting.as_str())
-        .execute(&app.pool)
-        .await
-        .unwrap();
+    sqlx::query(
+        "update tower_inbox.message_outbox set lease_owner = 'another' where effect_id = $1",
+    )
+    .bind(waiting.as_str())
+    .execute(&app.pool)
+    .await
+    .unwrap();
     let report = batch.await.unwrap().unwrap();
     assert_eq!((report.delivered, report.lost), (1, 1));
     assert_eq!(receiver.calls(), 1, "the second send did not happen");

@@ -13,7 +13,7 @@ use axum::response::IntoResponse;
 use axum::routing::{delete, post};
 use axum::Router;
 use common::{
-    credit, credit_raw, send, unreachable_pool, wait_until_a_lock_is_awaited, TestApp,
+    credit, credit_raw, send, unreachable_pool, wait_until_waiting, TestApp,
     INSERT_REFUSED_AT_COMMIT,
 };
 use sqlx::postgres::PgPoolOptions;
@@ -487,16 +487,24 @@ struct Gate {
     started: Arc<Notify>,
     release: Arc<Notify>,
     status: Arc<std::sync::Mutex<StatusCode>>,
+    /// The layer's inbox: how many duplicates wait for the original.
+    inbox: tower_inbox::Inbox,
 }
 
 fn gated_router(
     app: &TestApp,
     configure: impl FnOnce(InboxLayerBuilder) -> InboxLayerBuilder,
 ) -> (Router, Gate, Arc<AtomicUsize>) {
+    let layer = configure(
+        InboxLayer::builder(app.pool.clone(), "credits").producer(TrustedHeader::new("x-producer")),
+    )
+    .build()
+    .expect("layer");
     let gate = Gate {
         started: Arc::new(Notify::new()),
         release: Arc::new(Notify::new()),
         status: Arc::new(std::sync::Mutex::new(StatusCode::CREATED)),
+        inbox: layer.inbox().clone(),
     };
     let calls = Arc::new(AtomicUsize::new(0));
     let (started, release, status, counter) = (
@@ -525,14 +533,7 @@ fn gated_router(
     };
     let router = Router::new()
         .route("/accounts/{account}/credits", post(handler))
-        .layer(
-            configure(
-                InboxLayer::builder(app.pool.clone(), "credits")
-                    .producer(TrustedHeader::new("x-producer")),
-            )
-            .build()
-            .expect("layer"),
-        );
+        .layer(layer);
     (router, gate, calls)
 }
 
@@ -576,7 +577,7 @@ async fn a_waiting_duplicate_replays_when_the_original_commits() {
         let router = router.clone();
         async move { send(&router, credit("a1", Some("k"), Some("app"), 1)).await }
     });
-    wait_until_a_lock_is_awaited(&app.pool).await;
+    wait_until_waiting(&gate.inbox, 1).await;
     gate.release.notify_one();
 
     let original = original.await.expect("original");
@@ -602,7 +603,7 @@ async fn a_waiting_duplicate_runs_when_the_original_rolls_back() {
         let router = router.clone();
         async move { send(&router, credit("a1", Some("k"), Some("app"), 1)).await }
     });
-    wait_until_a_lock_is_awaited(&app.pool).await;
+    wait_until_waiting(&gate.inbox, 1).await;
     // The original fails; the duplicate then owns the claim and runs (and succeeds).
     gate.release.notify_one();
     assert_eq!(

@@ -161,19 +161,14 @@ async fn block_inbox_writes(app: &TestApp) -> sqlx::Transaction<'static, sqlx::P
 #[tokio::test]
 async fn a_lookup_before_the_claim_answers_duplicates_without_a_transaction_or_a_write() {
     let app = TestApp::new().await;
-    let wait = std::time::Duration::from_millis(200);
-    let plain = app.credits_with(|b| b.in_flight_wait(wait));
-    let looking = app.credits_with(|b| b.in_flight_wait(wait).lookup_before_claim(true));
+    // The default: the lookup comes first.
+    let looking = app.credits();
     let first = send(&looking, credit("a1", Some("k"), Some("app"), 10)).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert!(!first.replayed(), "a miss goes on to the claim");
 
     let blocker = block_inbox_writes(&app).await;
-    // The claim path writes (its insert waits on the lock and gives up)...
-    let claimed = send(&plain, credit("a1", Some("k"), Some("app"), 10)).await;
-    assert_eq!(claimed.status, StatusCode::CONFLICT);
-    assert_eq!(claimed.problem_type(), "in-progress");
-    // ...the lookup does not: it answers from one read.
+    // Every write to the inbox waits on the lock: the lookup answers from one read.
     let looked = send(&looking, credit("a1", Some("k"), Some("app"), 10)).await;
     assert_eq!(looked.status, StatusCode::CREATED);
     assert!(looked.replayed());
@@ -181,11 +176,14 @@ async fn a_lookup_before_the_claim_answers_duplicates_without_a_transaction_or_a
     let conflict = send(&looking, credit("a1", Some("k"), Some("app"), 11)).await;
     assert_eq!(conflict.status, StatusCode::CONFLICT);
     assert_eq!(conflict.problem_type(), "payload-mismatch");
-    // A new key still has to claim, and waits like any claim.
-    let new = send(&looking, credit("a1", Some("n"), Some("app"), 10)).await;
-    assert_eq!(new.problem_type(), "in-progress");
+    // A new key has to claim: its insert waits for the lock, and commits once it is gone.
+    let new = tokio::spawn({
+        let looking = looking.clone();
+        async move { send(&looking, credit("a1", Some("n"), Some("app"), 10)).await }
+    });
     blocker.rollback().await.unwrap();
-    assert_eq!(app.ledger_rows("a1").await, 1);
+    assert_eq!(new.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(app.ledger_rows("a1").await, 2);
 }
 
 #[tokio::test]
@@ -193,7 +191,7 @@ async fn a_lookup_answer_fills_the_replay_cache() {
     let app = TestApp::new().await;
     send(&app.credits(), credit("a1", Some("k"), Some("app"), 10)).await;
     let cache = ReplayCache::new(100, 1 << 20).unwrap();
-    let router = app.credits_with(|b| b.lookup_before_claim(true).replay_cache(cache.clone()));
+    let router = app.credits_with(|b| b.replay_cache(cache.clone()));
     let looked = send(&router, credit("a1", Some("k"), Some("app"), 10)).await;
     assert!(looked.replayed());
     assert_eq!(cache.len(), 1);

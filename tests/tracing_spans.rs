@@ -118,9 +118,11 @@ fn fields(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
 /// Distinctive pieces of the request body: neither may reach a span or an event.
 const DELTA_MARKER: &str = "424242";
 const NOTE_MARKER: &str = "acct-note-SECRET-7Q9X";
+/// The producer (the client's identity): it may not reach a span or an event either.
+const PRODUCER_MARKER: &str = "client-SECRET-P7K2";
 
 #[tokio::test]
-async fn spans_carry_identity_and_outcome_and_never_the_payload() {
+async fn spans_carry_identity_and_outcome_and_never_the_payload_or_the_producer() {
     let capture = Capture::default();
     tracing::subscriber::set_global_default(tracing_subscriber::registry().with(capture.clone()))
         .expect("the only subscriber in this test binary");
@@ -137,7 +139,7 @@ async fn spans_carry_identity_and_outcome_and_never_the_payload() {
 
     // Every body carries both markers; the webhook payload carries the delta again.
     let body = |delta: &str| format!(r#"{{"delta": {delta}, "note": "{NOTE_MARKER}"}}"#);
-    let credit = |key: &str, body: String| credit_raw("a1", Some(key), Some("app"), body);
+    let credit = |key: &str, body: String| credit_raw("a1", Some(key), Some(PRODUCER_MARKER), body);
     let first = send(&router, credit("trace-1", body(DELTA_MARKER))).await;
     assert_eq!(first.status, StatusCode::CREATED);
     let duplicate = send(&router, credit("trace-1", body(DELTA_MARKER))).await;
@@ -166,11 +168,7 @@ async fn spans_carry_identity_and_outcome_and_never_the_payload() {
 
     // The identity of `key` and the fields given.
     let of = |key: &str, extra: &[(&str, &str)]| {
-        let mut all = fields(&[
-            ("consumer", "credits"),
-            ("producer", "app"),
-            ("message_id", key),
-        ]);
+        let mut all = fields(&[("consumer", "credits"), ("message_id", key)]);
         all.extend(fields(extra));
         all
     };
@@ -235,8 +233,10 @@ async fn spans_carry_identity_and_outcome_and_never_the_payload() {
     for record in &captured {
         for (field, value) in &record.fields {
             assert!(
-                !value.contains(DELTA_MARKER) && !value.contains(NOTE_MARKER),
-                "{} `{}` carries the payload in its field {field}: {value}",
+                !value.contains(DELTA_MARKER)
+                    && !value.contains(NOTE_MARKER)
+                    && !value.contains(PRODUCER_MARKER),
+                "{} `{}` carries the payload or the producer in its field {field}: {value}",
                 if record.is_span { "span" } else { "event" },
                 record.name
             );

@@ -97,8 +97,15 @@ impl ClaimedMessage {
         let schema = self.inbox.schema().clone();
         let identity = self.identity.clone();
         let effect_id = EffectId::for_message(&identity, effect_name);
-        crate::outbox::insert(&schema, self, &effect_id, effect_name, Some(&identity), message)
-            .await
+        crate::outbox::insert(
+            &schema,
+            self,
+            &effect_id,
+            effect_name,
+            Some(&identity),
+            message,
+        )
+        .await
     }
 
     /// Asks for this transaction to be rolled back and run again from the start, as after a
@@ -287,7 +294,7 @@ async fn taken_at_commit(
         // runs the command; this attempt's writes are gone already.
         (None, false) => {
             let deadline = Instant::now() + claim.wait;
-            match inbox.settle(identity, lock, deadline).await? {
+            match inbox.settle(identity, lock, deadline, &mut false).await? {
                 Settled::Held(entry) => Some(entry),
                 Settled::Busy | Settled::Free => {
                     return Ok(Finished::ClaimedElsewhere(Box::new(Claim::InProgress)))

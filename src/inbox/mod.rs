@@ -42,7 +42,9 @@ mod executor;
 mod message;
 mod settings;
 pub(crate) mod sql;
+mod waiters;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
@@ -62,6 +64,7 @@ pub use error::{InboxError, RetryReason};
 pub use message::ClaimedMessage;
 pub(crate) use message::Finished;
 pub use settings::{ClaimMode, IsolationLevel};
+use waiters::{Role, Settled, Waiters};
 
 /// How many times a claim tries again when the row that held its key vanished before it
 /// could be read (a purge racing it) before it gives up like a serialization failure.
@@ -75,6 +78,7 @@ pub struct Inbox {
     isolation: IsolationLevel,
     labels: MetricLabels,
     lookup_first: bool,
+    waiters: Arc<Waiters>,
 }
 
 impl Inbox {
@@ -82,13 +86,37 @@ impl Inbox {
     /// applied, in the default schema; claims run at `READ COMMITTED`, look a key up before
     /// opening a transaction for it, and metrics carry the consumer label.
     pub fn new(pool: PgPool) -> Self {
+        // A quarter of the pool: enough for a few keys in flight, never the whole pool.
+        let limit = usize::try_from(pool.options().get_max_connections() / 4).unwrap_or(1);
         Self {
             pool,
             schema: Schema::default(),
             isolation: IsolationLevel::default(),
             labels: MetricLabels::default(),
             lookup_first: true,
+            waiters: Arc::new(Waiters::new(limit)),
         }
+    }
+
+    /// How many keys this inbox waits on at once (default: a quarter of the pool's
+    /// connections, at least one). One claim polls each such key for all its duplicates,
+    /// holding a pooled connection only while a poll runs; past the limit a duplicate of
+    /// an in-flight command is answered [`Claim::InProgress`] at once, so retry storms
+    /// cannot take the pool from other work.
+    pub fn with_waiting_keys_limit(mut self, keys: usize) -> Self {
+        self.waiters = Arc::new(Waiters::new(keys));
+        self
+    }
+
+    /// The most keys waited on at once.
+    pub fn waiting_keys_limit(&self) -> usize {
+        self.waiters.limit()
+    }
+
+    /// How many claims of this inbox (and its clones) are waiting for an original in flight
+    /// right now.
+    pub fn waiting_claims(&self) -> usize {
+        self.waiters.waiting()
     }
 
     /// The tables are in `schema` (migrated there with
@@ -172,11 +200,14 @@ impl Inbox {
         let labels = self.labels.of(&identity);
         let wait_labels = self.labels.of_consumer(identity.consumer());
         let started = Instant::now();
+        let mut timed = false;
         let claim = self
-            .claim_in_span(identity, fingerprint, handler_version, wait)
+            .claim_in_span(identity, fingerprint, handler_version, wait, &mut timed)
             .instrument(span.clone())
             .await;
-        m::observe_seconds(m::CLAIM_WAIT, &wait_labels, started.elapsed().as_secs_f64());
+        if claim.is_ok() && timed {
+            m::observe_seconds(m::CLAIM_WAIT, &wait_labels, started.elapsed().as_secs_f64());
+        }
         let outcome = match &claim {
             Ok(claim) => count_claim(claim, &labels),
             Err(err) => err.kind(),
@@ -191,12 +222,13 @@ impl Inbox {
         fingerprint: Fingerprint,
         handler_version: &str,
         wait: Duration,
+        timed: &mut bool,
     ) -> Result<Claim, InboxError> {
         let consumer = identity.consumer();
         let lock = ClaimLock::of(&self.schema, &identity);
         let deadline = Instant::now() + wait;
         if let Some(answer) = self
-            .answer_before_claim(&identity, &fingerprint, deadline)
+            .answer_before_claim(&identity, &fingerprint, deadline, timed)
             .await?
         {
             return Ok(answer);
@@ -218,6 +250,7 @@ impl Inbox {
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
+            *timed = true;
             let get = |e| InboxError::Database(e);
             let free: bool = row.try_get("free").map_err(get)?;
             if row.try_get::<bool, _>("claimed").map_err(get)? {
@@ -238,7 +271,7 @@ impl Inbox {
                 // The row committed after this statement's snapshot: read it afresh.
                 (None, true) => self.lookup(&identity).await?,
                 // The original is in flight.
-                (None, false) => match self.settle(&identity, lock, deadline).await? {
+                (None, false) => match self.settle(&identity, lock, deadline, timed).await? {
                     Settled::Held(entry) => Some(entry),
                     Settled::Busy => return Ok(Claim::InProgress),
                     // It rolled back: claim again.
@@ -259,38 +292,92 @@ impl Inbox {
     }
 
     /// Waits until `identity` is no longer in flight in another transaction, or `deadline`
-    /// passes: polls its row and its claim lock, with a growing pause between polls and no
-    /// connection held during a pause.
+    /// passes (see [`waiters`]): follows the key's poller if another claim polls it, else
+    /// reads the key once and, while it is in flight, polls it with a growing pause between
+    /// polls and no connection held during a pause. Sets `waited` if it waited at all.
     async fn settle(
         &self,
         identity: &MessageIdentity,
         lock: ClaimLock,
         deadline: Instant,
+        waited: &mut bool,
     ) -> Result<Settled, InboxError> {
-        let sql = self.schema.sql(sql::LOOKUP_OR_BUSY);
+        if self.waiters.following(lock).is_none() {
+            if let Some(settled) = self.poll_once(identity, lock).await? {
+                return Ok(settled);
+            }
+        }
+        *waited = true;
+        let _counted = self.waiters.count();
+        loop {
+            match self.waiters.join(lock) {
+                Role::Full => return Ok(Settled::Busy),
+                Role::Poll(poller) => {
+                    let settled = self.poll_until(identity, lock, deadline).await?;
+                    poller.publish(&settled);
+                    return Ok(settled);
+                }
+                Role::Follow(mut result) => {
+                    let settled =
+                        tokio::time::timeout_at(deadline.into(), result.wait_for(Option::is_some))
+                            .await;
+                    match settled {
+                        Err(_) => return Ok(Settled::Busy),
+                        // The poller failed or gave up before this claim's wait is over:
+                        // take its place.
+                        Ok(Err(_)) => continue,
+                        Ok(Ok(settled)) => match settled.clone() {
+                            Some(Settled::Busy) if Instant::now() < deadline => continue,
+                            Some(settled) => return Ok(settled),
+                            None => continue,
+                        },
+                    }
+                }
+            }
+        }
+    }
+
+    /// Polls until the key settles or `deadline` passes.
+    async fn poll_until(
+        &self,
+        identity: &MessageIdentity,
+        lock: ClaimLock,
+        deadline: Instant,
+    ) -> Result<Settled, InboxError> {
         let mut pause = Duration::from_millis(2);
         loop {
-            let row = bind_identity!(sqlx::query(&sql), identity)
-                .bind(lock.0)
-                .bind(lock.1)
-                .fetch_one(&self.pool)
-                .await
-                .map_err(|e| self.failed(identity.consumer(), e))?;
-            if let Some(entry) = entry::entry_from_row(&row)? {
-                return Ok(Settled::Held(entry));
-            }
-            if row.try_get("free").map_err(InboxError::Database)? {
-                return Ok(Settled::Free);
-            }
             let now = Instant::now();
             if now >= deadline {
                 return Ok(Settled::Busy);
             }
-            // Jittered, so that waiters on one key do not poll in lockstep.
+            // Jittered, so that the pollers of many keys do not poll in lockstep.
             let jittered = pause.mul_f64(0.5 + fastrand::f64() * 0.5);
             tokio::time::sleep(jittered.min(deadline - now)).await;
             pause = (pause * 2).min(Duration::from_millis(50));
+            if let Some(settled) = self.poll_once(identity, lock).await? {
+                return Ok(settled);
+            }
         }
+    }
+
+    /// One read of the key's row and its claim lock: `None` while it is in flight elsewhere.
+    async fn poll_once(
+        &self,
+        identity: &MessageIdentity,
+        lock: ClaimLock,
+    ) -> Result<Option<Settled>, InboxError> {
+        let sql = self.schema.sql(sql::LOOKUP_OR_BUSY);
+        let row = bind_identity!(sqlx::query(&sql), identity)
+            .bind(lock.0)
+            .bind(lock.1)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.failed(identity.consumer(), e))?;
+        if let Some(entry) = entry::entry_from_row(&row)? {
+            return Ok(Some(Settled::Held(entry)));
+        }
+        let free: bool = row.try_get("free").map_err(InboxError::Database)?;
+        Ok(free.then_some(Settled::Free))
     }
 
     /// Opens a transaction for `identity` whose claim is made at commit, as the last
@@ -331,12 +418,13 @@ impl Inbox {
         identity: &MessageIdentity,
         fingerprint: &Fingerprint,
         deadline: Instant,
+        waited: &mut bool,
     ) -> Result<Option<Claim>, InboxError> {
         if !self.lookup_first {
             return Ok(None);
         }
         let lock = ClaimLock::of(&self.schema, identity);
-        Ok(match self.settle(identity, lock, deadline).await? {
+        Ok(match self.settle(identity, lock, deadline, waited).await? {
             Settled::Held(entry) => Some(seen(entry, fingerprint)),
             Settled::Busy => Some(Claim::InProgress),
             Settled::Free => None,
@@ -448,21 +536,11 @@ impl Inbox {
     }
 }
 
-/// Where a key stands after waiting for an original in flight.
-enum Settled {
-    /// A committed row holds it.
-    Held(InboxEntry),
-    /// Nothing holds it: the original rolled back (or never was).
-    Free,
-    /// Still in flight when the wait ran out.
-    Busy,
-}
-
 /// The two keys of a message's advisory lock (`pg_try_advisory_xact_lock(int4, int4)`, a key
 /// space apart from the one-`bigint` form), from the schema and the identity: the same for
 /// every process, so that instances of a service see each other's claims in flight. Two
 /// identities that share a lock (one chance in 2^64) only make one wait for the other.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) struct ClaimLock(i32, i32);
 
 impl ClaimLock {

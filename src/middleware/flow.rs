@@ -293,14 +293,27 @@ impl Command {
             // (or in-flight) duplicate is still answered before the handler runs.
             ClaimMode::AtCommit => {
                 let inbox = &config.inbox;
-                let deadline = std::time::Instant::now() + config.in_flight_wait;
+                let started = std::time::Instant::now();
+                let mut waited = false;
                 match inbox
-                    .answer_before_claim(&self.identity, &self.fingerprint, deadline)
+                    .answer_before_claim(
+                        &self.identity,
+                        &self.fingerprint,
+                        started + config.in_flight_wait,
+                        &mut waited,
+                    )
                     .await
                 {
                     Ok(Some(answer)) => {
                         let labels = inbox.metric_labels().of(&self.identity);
                         crate::inbox::count_claim(&answer, &labels);
+                        if waited {
+                            m::observe_seconds(
+                                m::CLAIM_WAIT,
+                                &consumer_labels(config),
+                                started.elapsed().as_secs_f64(),
+                            );
+                        }
                         Ok(answer)
                     }
                     Ok(None) => inbox

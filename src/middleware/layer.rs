@@ -95,7 +95,16 @@ impl InboxLayer {
             replay_cache: None,
             lookup_before_claim: true,
             schema: Schema::default(),
+            waiting_keys_limit: None,
         }
+    }
+}
+
+impl InboxLayer {
+    /// The inbox the layer claims in: its pool, schema and settings, and how many claims
+    /// wait for an original in flight right now.
+    pub fn inbox(&self) -> &Inbox {
+        &self.config.inbox
     }
 }
 
@@ -185,9 +194,21 @@ pub struct InboxLayerBuilder {
     replay_cache: Option<ReplayCache>,
     lookup_before_claim: bool,
     schema: Schema,
+    waiting_keys_limit: Option<usize>,
 }
 
 impl InboxLayerBuilder {
+    /// How many in-flight keys the layer waits on at once (default: a quarter of the pool's
+    /// connections, at least one). However many duplicates of one in-flight command
+    /// arrive, one of them polls the database for it (one pooled connection, only while a
+    /// poll runs) and the others wait in memory behind it. Past this many keys a duplicate
+    /// of an in-flight command gets `409 in-progress` with `Retry-After` at once, so one
+    /// client retrying in a loop cannot hold the pool other clients need.
+    pub fn waiting_keys_limit(mut self, keys: usize) -> Self {
+        self.waiting_keys_limit = Some(keys);
+        self
+    }
+
     /// The schema the inbox tables are in (default `tower_inbox`); create them there with
     /// [`migrate_schema`](crate::migrate_schema). Every statement names it, so a handler
     /// that changes its session's `search_path` cannot redirect the protocol.
@@ -387,13 +408,20 @@ impl InboxLayerBuilder {
                 "producer_missing_status must be 401 or 400",
             ));
         }
+        if self.waiting_keys_limit == Some(0) {
+            return Err(ConfigError::BadLimit("waiting_keys_limit must be positive"));
+        }
+        let mut inbox = Inbox::new(self.pool)
+            .with_schema(self.schema)
+            .with_isolation(self.isolation)
+            .with_metric_labels(self.metric_labels)
+            .with_lookup_first(self.lookup_before_claim);
+        if let Some(keys) = self.waiting_keys_limit {
+            inbox = inbox.with_waiting_keys_limit(keys);
+        }
         Ok(InboxLayer {
             config: Arc::new(InboxConfig {
-                inbox: Inbox::new(self.pool)
-                    .with_schema(self.schema)
-                    .with_isolation(self.isolation)
-                    .with_metric_labels(self.metric_labels)
-                    .with_lookup_first(self.lookup_before_claim),
+                inbox,
                 consumer: consumer.into(),
                 producer,
                 producer_missing_status: self.producer_missing_status,

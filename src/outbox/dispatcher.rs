@@ -352,9 +352,10 @@ impl<T: Transport> Dispatcher<T> {
 
     async fn until_next_due(&self) -> Duration {
         let poll = self.settings.poll_interval;
-        let next: Result<Option<f64>, _> = sqlx::query_scalar(&self.settings.schema.sql(sql::NEXT_DUE))
-            .fetch_one(&self.pool)
-            .await;
+        let next: Result<Option<f64>, _> =
+            sqlx::query_scalar(&self.settings.schema.sql(sql::NEXT_DUE))
+                .fetch_one(&self.pool)
+                .await;
         match next {
             Ok(Some(secs)) if secs.is_finite() => {
                 Duration::try_from_secs_f64(secs.max(0.0)).map_or(poll, |d| d.min(poll))
@@ -404,7 +405,12 @@ impl<T: Transport> Dispatcher<T> {
         let mut report = DispatchReport::default();
         if stopping.load(Ordering::SeqCst) {
             match self
-                .record(&self.settings.schema.sql(sql::RELEASE), &effect.effect_id, token, |q| q)
+                .record(
+                    &self.settings.schema.sql(sql::RELEASE),
+                    &effect.effect_id,
+                    token,
+                    |q| q,
+                )
                 .await
             {
                 Ok(1) => report.released = 1,
@@ -416,12 +422,13 @@ impl<T: Transport> Dispatcher<T> {
         // The batch was leased before the deliveries queued ahead of this one: renew the lease
         // now so that it covers this send and its recording, unless another dispatcher took the
         // effect in the meantime.
-        let started: Result<Option<i32>, _> = sqlx::query_scalar(&self.settings.schema.sql(sql::START))
-            .bind(effect.effect_id.as_str())
-            .bind(token)
-            .bind(self.settings.lease.as_secs_f64())
-            .fetch_optional(&self.pool)
-            .await;
+        let started: Result<Option<i32>, _> =
+            sqlx::query_scalar(&self.settings.schema.sql(sql::START))
+                .bind(effect.effect_id.as_str())
+                .bind(token)
+                .bind(self.settings.lease.as_secs_f64())
+                .fetch_optional(&self.pool)
+                .await;
         match started {
             Ok(Some(attempt)) => effect.attempt = attempt,
             Ok(None) => {

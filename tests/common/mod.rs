@@ -193,6 +193,20 @@ pub async fn wait_until_a_lock_is_awaited(pool: &PgPool) {
     panic!("no backend ever waited for a lock");
 }
 
+/// Waits (bounded) until `claims` claims of `inbox` wait for an original in flight.
+pub async fn wait_until_waiting(inbox: &tower_inbox::Inbox, claims: usize) {
+    for _ in 0..1000 {
+        if inbox.waiting_claims() >= claims {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!(
+        "{claims} claims never waited at once (now {})",
+        inbox.waiting_claims()
+    );
+}
+
 /// `POST /accounts/{account}/credits` with `{"delta": delta}`.
 pub fn credit(
     account: &str,
