@@ -1530,3 +1530,62 @@ async fn storage_budgets_and_purge_settings_that_would_break_retention_are_refus
         RetentionError::ZeroDuration("the purge period".into())
     );
 }
+
+#[tokio::test]
+async fn the_guard_judges_age_by_the_database_clock_not_the_applications() {
+    // The database's clock runs two hours behind this process's, as after a skew between
+    // the application's host and the database's.
+    let cluster = tower_inbox_testdb::Cluster::builder()
+        .clock_offset_seconds(-2 * 3600)
+        .start()
+        .await
+        .expect("a cluster on a skewed clock");
+    let db = cluster.database().await.expect("db");
+    let pool = db.pool(4).await;
+    common::credits::prepare(&pool).await.expect("schema");
+    let db_now: OffsetDateTime = sqlx::query_scalar("select now()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let skew = OffsetDateTime::now_utc() - db_now;
+    assert!(
+        skew > time::Duration::minutes(100),
+        "the skew is in place: {skew}"
+    );
+
+    let inbox = Inbox::new(pool.clone());
+    let guard = RetentionGuard::new(inbox.clone(), &inbox_policy());
+    let window = time::Duration::try_from(guard.window()).unwrap();
+    // Inside the window by the database's clock (an hour to spare), outside it by this
+    // process's (which is two hours ahead).
+    let inside = db_now - window + time::Duration::hours(1);
+    match guarded(&guard, "evt-inside", inside).await.unwrap() {
+        GuardedClaim::Claim(Claim::Claimed(message)) => message.commit(None).await.unwrap(),
+        other => panic!("refused by the application's clock: {other:?}"),
+    }
+    // Outside it by both.
+    let outside = db_now - window - time::Duration::hours(1);
+    match guarded(&guard, "evt-outside", outside).await.unwrap() {
+        GuardedClaim::Expired(expired) => {
+            // The oldest accepted time is the database's now minus the window.
+            let oldest = expired.oldest_accepted - (db_now - window);
+            assert!(
+                oldest >= time::Duration::ZERO && oldest < time::Duration::minutes(10),
+                "oldest accepted {} is not the database's now - window {}",
+                expired.oldest_accepted,
+                db_now - window
+            );
+        }
+        other => panic!("an expired message was claimed: {other:?}"),
+    }
+    assert!(inbox
+        .lookup(&identity("evt-inside"))
+        .await
+        .unwrap()
+        .is_some());
+    assert!(inbox
+        .lookup(&identity("evt-outside"))
+        .await
+        .unwrap()
+        .is_none());
+}

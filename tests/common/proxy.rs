@@ -1,0 +1,132 @@
+//! A TCP proxy between the service's pool and PostgreSQL that can cut a connection at a
+//! chosen message: the network failing in the middle of the protocol, on purpose.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+
+/// When an armed proxy cuts: before or after the matching message reaches the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// The server never sees the message (a `COMMIT` that never arrived: rolled back).
+    Before,
+    /// The server gets the message but its answer never comes back (a `COMMIT` that
+    /// committed, unbeknown to the client).
+    After,
+}
+
+struct Armed {
+    pattern: Vec<u8>,
+    cut: Cut,
+}
+
+/// Forwards connections to `upstream` until dropped.
+pub struct Proxy {
+    addr: SocketAddr,
+    armed: Arc<Mutex<Option<Armed>>>,
+    cuts: Arc<Notify>,
+}
+
+impl Proxy {
+    pub async fn start(upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let addr = listener.local_addr().expect("proxy address");
+        let armed: Arc<Mutex<Option<Armed>>> = Arc::default();
+        let cuts = Arc::new(Notify::new());
+        let (a, c) = (armed.clone(), cuts.clone());
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                tokio::spawn(relay(client, server, a.clone(), c.clone()));
+            }
+        });
+        Self { addr, armed, cuts }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Cuts the next connection that sends a message containing `pattern`.
+    pub fn arm(&self, pattern: &[u8], cut: Cut) {
+        *self.armed.lock().unwrap() = Some(Armed {
+            pattern: pattern.to_vec(),
+            cut,
+        });
+    }
+
+    /// Waits until an armed cut has happened.
+    pub async fn cut_done(&self) {
+        self.cuts.notified().await;
+    }
+}
+
+async fn relay(
+    mut client: TcpStream,
+    mut server: TcpStream,
+    armed: Arc<Mutex<Option<Armed>>>,
+    cuts: Arc<Notify>,
+) {
+    let (mut client_read, mut client_write) = client.split();
+    let (mut server_read, mut server_write) = server.split();
+    // Set once this connection is to be cut: `Before` ends it at once; `After` ends it when
+    // the server answers the message, without passing the answer on.
+    let cutting: Mutex<Option<Cut>> = Mutex::new(None);
+    let to_server = async {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match client_read.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let chunk = &buf[..n];
+            let cut = {
+                let mut armed = armed.lock().unwrap();
+                match &*armed {
+                    Some(a) if contains(chunk, &a.pattern) => armed.take().map(|a| a.cut),
+                    _ => None,
+                }
+            };
+            if cut.is_some() {
+                *cutting.lock().unwrap() = cut;
+            }
+            if cut == Some(Cut::Before) || server_write.write_all(chunk).await.is_err() {
+                return;
+            }
+        }
+    };
+    let to_client = async {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match server_read.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if *cutting.lock().unwrap() == Some(Cut::After) {
+                return;
+            }
+            if client_write.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    tokio::select! {
+        () = to_server => {}
+        () = to_client => {}
+    }
+    // Either side ending ends both: the connection is gone for the client.
+    drop(client);
+    drop(server);
+    if cutting.lock().unwrap().is_some() {
+        cuts.notify_one();
+    }
+}
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && haystack.windows(needle.len()).any(|w| w == needle)
+}

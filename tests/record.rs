@@ -1,0 +1,209 @@
+//! The edges of recording and committing: a claim never commits without its response, the
+//! recording limit counts headers, a reserved producer cannot reach the inbox, and the
+//! answer to a failed COMMIT says what is known.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use axum::extract::Path;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::Router;
+use common::proxy::{Cut, Proxy};
+use common::{credit, send, TestApp};
+use sqlx::postgres::PgPoolOptions;
+use tower_inbox::producer::TrustedHeader;
+use tower_inbox::{InboxLayer, InboxLayerBuilder, InboxTx};
+
+fn layer(
+    pool: &sqlx::PgPool,
+    configure: impl FnOnce(InboxLayerBuilder) -> InboxLayerBuilder,
+) -> InboxLayer {
+    configure(InboxLayer::builder(pool.clone(), "test").producer(TrustedHeader::new("x-producer")))
+        .build()
+        .expect("layer")
+}
+
+/// A credit handler answering `body_len` bytes; while `sabotage` is set it also deletes its
+/// own claim row before answering, so the record finds nothing to record on.
+fn credit_router(pool: &sqlx::PgPool, sabotage: Arc<AtomicBool>, body_len: usize) -> Router {
+    Router::new()
+        .route(
+            "/accounts/{account}/credits",
+            post(move |Path(account): Path<String>, mut tx: InboxTx| {
+                let sabotage = sabotage.clone();
+                async move {
+                    sqlx::query(
+                        "insert into credit_account (account_id, balance) values ($1, 1)
+                         on conflict (account_id)
+                         do update set balance = credit_account.balance + 1",
+                    )
+                    .bind(&account)
+                    .execute(&mut *tx)
+                    .await
+                    .expect("write");
+                    if sabotage.load(Ordering::SeqCst) {
+                        let key = tx.identity().message_id().as_str().to_owned();
+                        sqlx::query("delete from tower_inbox.consumer_inbox where message_id = $1")
+                            .bind(key)
+                            .execute(&mut *tx)
+                            .await
+                            .expect("delete the claim");
+                    }
+                    (StatusCode::CREATED, "x".repeat(body_len)).into_response()
+                }
+            }),
+        )
+        .layer(layer(pool, |b| b))
+}
+
+#[tokio::test]
+async fn a_record_that_finds_no_claimed_row_commits_nothing_and_the_key_stays_retryable() {
+    // A small body and one far over the 32 KiB that once took another path.
+    for body_len in [16, 256 * 1024] {
+        let app = TestApp::new().await;
+        let sabotage = Arc::new(AtomicBool::new(true));
+        let router = credit_router(&app.pool, sabotage.clone(), body_len);
+
+        let reply = send(&router, credit("a1", Some("k"), Some("app"), 1)).await;
+        assert_eq!(
+            reply.status,
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "{body_len}"
+        );
+        assert_eq!(reply.problem_type(), "internal");
+        assert_eq!(app.inbox_rows().await, 0, "{body_len}: no claim committed");
+        assert_eq!(
+            app.balance("a1").await,
+            None,
+            "{body_len}: the business write rolled back with it"
+        );
+
+        sabotage.store(false, Ordering::SeqCst);
+        let retry = send(&router, credit("a1", Some("k"), Some("app"), 1)).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{body_len}");
+        assert!(!retry.replayed(), "{body_len}: the retry runs");
+        assert_eq!(retry.body.len(), body_len);
+        let row = app.inbox_row("app", "k").await.expect("claimed row");
+        assert!(row.processed);
+        assert_eq!(row.body.map(|b| b.len()), Some(body_len));
+        let again = send(&router, credit("a1", Some("k"), Some("app"), 1)).await;
+        assert!(again.replayed(), "{body_len}");
+        assert_eq!(app.balance("a1").await, Some(1), "{body_len}: applied once");
+    }
+}
+
+#[tokio::test]
+async fn headers_count_against_the_recording_limit() {
+    let app = TestApp::new().await;
+    let router = Router::new()
+        .route(
+            "/accounts/{account}/credits",
+            post(|mut tx: InboxTx| async move {
+                sqlx::query("insert into credit_account (account_id, balance) values ('a1', 1)")
+                    .execute(&mut *tx)
+                    .await
+                    .expect("write");
+                // A tiny body under big headers.
+                (
+                    StatusCode::CREATED,
+                    [("x-big", "h".repeat(600)), ("x-bigger", "h".repeat(600))],
+                    "ok",
+                )
+                    .into_response()
+            }),
+        )
+        .layer(layer(&app.pool, |b| b.recorded_response_limit(1024)));
+    let reply = send(&router, credit("a1", Some("k"), Some("app"), 1)).await;
+    assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!(reply.problem_type(), "response-too-large");
+    assert_eq!(app.inbox_rows().await, 0);
+    assert_eq!(app.balance("a1").await, None);
+
+    // The same headers fit a larger limit, and are replayed.
+    let router = Router::new()
+        .route(
+            "/accounts/{account}/credits",
+            post(|| async {
+                (
+                    StatusCode::CREATED,
+                    [("x-big", "h".repeat(600)), ("x-bigger", "h".repeat(600))],
+                    "ok",
+                )
+            }),
+        )
+        .layer(layer(&app.pool, |b| b.recorded_response_limit(2048)));
+    let first = send(&router, credit("a1", Some("k"), Some("app"), 1)).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    let again = send(&router, credit("a1", Some("k"), Some("app"), 1)).await;
+    assert!(again.replayed());
+    assert_eq!(again.headers["x-bigger"], first.headers["x-bigger"]);
+}
+
+#[tokio::test]
+async fn a_producer_under_the_migration_prefix_is_refused_at_the_edge() {
+    let app = TestApp::new().await;
+    let router = app.credits();
+    let reply = send(
+        &router,
+        credit("a1", Some("step-1"), Some("migration:bonus-fix"), 5),
+    )
+    .await;
+    assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(reply.problem_type(), "producer-missing");
+    let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("reserved"), "{detail}");
+    assert_eq!(app.inbox_rows().await, 0);
+    assert_eq!(app.balance("a1").await, None);
+}
+
+/// The credits example on a pool whose connections go through `proxy`.
+async fn credits_through(app: &TestApp, proxy: &Proxy) -> (Router, sqlx::PgPool) {
+    let options = app
+        .db
+        .connect_options()
+        .host("127.0.0.1")
+        .port(proxy.addr().port());
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .test_before_acquire(false)
+        .connect_lazy_with(options);
+    (common::credits::router(pool.clone()).expect("router"), pool)
+}
+
+#[tokio::test]
+async fn a_commit_whose_answer_is_lost_says_the_outcome_is_unknown_and_the_retry_decides() {
+    for cut in [Cut::Before, Cut::After] {
+        let app = TestApp::new().await;
+        let upstream =
+            std::net::SocketAddr::from(([127, 0, 0, 1], app.db.connect_options().get_port()));
+        let proxy = Proxy::start(upstream).await;
+        let (router, _pool) = credits_through(&app, &proxy).await;
+
+        // The simple-query COMMIT; "READ COMMITTED" in the BEGIN does not end in a NUL.
+        proxy.arm(b"COMMIT\0", cut);
+        let reply = send(&router, credit("a1", Some("k"), Some("app"), 7)).await;
+        proxy.cut_done().await;
+        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{cut:?}");
+        assert_eq!(reply.problem_type(), "unavailable");
+        assert!(reply.headers.contains_key("retry-after"));
+        let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+        assert!(detail.contains("unknown"), "{cut:?}: {detail}");
+        assert!(
+            !detail.contains("nothing was committed"),
+            "{cut:?}: {detail}"
+        );
+
+        // What really happened, and the retry that settles it for the client.
+        let committed = app.inbox_rows().await == 1;
+        assert_eq!(committed, cut == Cut::After, "{cut:?}");
+        let retry = send(&router, credit("a1", Some("k"), Some("app"), 7)).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{cut:?}");
+        assert_eq!(retry.replayed(), committed, "{cut:?}");
+        assert_eq!(app.balance("a1").await, Some(7), "{cut:?}: applied once");
+        assert_eq!(app.ledger_rows("a1").await, 1, "{cut:?}");
+    }
+}
