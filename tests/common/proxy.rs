@@ -60,9 +60,11 @@ impl Proxy {
         });
     }
 
-    /// Waits until an armed cut has happened.
+    /// Waits (bounded) until an armed cut has happened.
     pub async fn cut_done(&self) {
-        self.cuts.notified().await;
+        tokio::time::timeout(std::time::Duration::from_secs(30), self.cuts.notified())
+            .await
+            .expect("the armed message never went through the proxy");
     }
 }
 
