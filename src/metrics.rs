@@ -229,14 +229,14 @@ pub const METRICS: &[MetricInfo] = &[
         Gauge,
         &["consumer"],
         Unit::Count,
-        "inbox rows per consumer (stats task)",
+        "inbox rows per consumer, estimated from the planner's statistics (stats task)",
     ),
     info(
         INBOX_OLDEST_AGE,
         Gauge,
         &["consumer"],
         Unit::Seconds,
-        "age of the oldest inbox row per consumer (stats task)",
+        "age of the oldest inbox row per consumer (stats task; exact among the 10 000 oldest rows, else an upper bound)",
     ),
     info(
         INBOX_TABLE_BYTES,

@@ -45,8 +45,11 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 pub struct Schema {
     name: Arc<str>,
     /// The crate's statements with this schema's name, made once per statement.
-    statements: Arc<RwLock<HashMap<(usize, usize), Arc<str>>>>,
+    statements: Arc<RwLock<Statements>>,
 }
+
+/// Statement texts by their template's address and length.
+type Statements = HashMap<(usize, usize), Arc<str>>;
 
 /// A schema name [`Schema::new`] refuses.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

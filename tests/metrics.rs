@@ -1260,6 +1260,31 @@ async fn the_stats_task_sets_the_gauges_to_what_the_database_holds() {
     );
     assert_eq!(gauges, expected);
 
+    // Once the table is analyzed the rows are the statistics' estimate, which for a table
+    // this small is the count itself.
+    sqlx::query("analyze tower_inbox.consumer_inbox")
+        .execute(&app.pool)
+        .await
+        .unwrap();
+    let analyzed = task.collect().await.unwrap();
+    let estimated: BTreeMap<String, i64> = analyzed
+        .inbox
+        .iter()
+        .map(|c| (c.consumer.clone(), c.rows))
+        .collect();
+    assert_eq!(estimated, rows);
+    // And it is the estimate: a row more, not analyzed yet, is not counted.
+    send(&b, credit("a1", Some("k2"), Some("app"), 1)).await;
+    let stale = task.collect().await.unwrap();
+    assert_eq!(
+        stale
+            .inbox
+            .iter()
+            .find(|c| c.consumer == "stats-b")
+            .map(|c| c.rows),
+        Some(1)
+    );
+
     // stats-a's rows all go and the conflict is decided: the next collection sets them to
     // zero rather than leaving the last values behind.
     sqlx::query("delete from tower_inbox.consumer_inbox where consumer_name = 'stats-a'")
@@ -1276,11 +1301,16 @@ async fn the_stats_task_sets_the_gauges_to_what_the_database_holds() {
         .discard(conflict.id, "oncall", "told the client")
         .await
         .unwrap();
+    // The estimate follows the next ANALYZE (autovacuum's, here the test's).
+    sqlx::query("analyze tower_inbox.consumer_inbox")
+        .execute(&app.pool)
+        .await
+        .unwrap();
     let (stats, gauges) = gauges_set_by(task.collect()).await;
     let stats = stats.unwrap();
     assert_eq!(
         inbox_rows_by_consumer(&app.pool).await,
-        BTreeMap::from([("stats-b".into(), 1)])
+        BTreeMap::from([("stats-b".into(), 2)])
     );
     assert_eq!(stats.inbox.len(), 1);
     assert_eq!(gauges["inbox_rows{consumer=stats-a}"], 0.0);
@@ -1288,7 +1318,7 @@ async fn the_stats_task_sets_the_gauges_to_what_the_database_holds() {
         gauges["inbox_oldest_row_age_seconds{consumer=stats-a}"],
         0.0
     );
-    assert_eq!(gauges["inbox_rows{consumer=stats-b}"], 1.0);
+    assert_eq!(gauges["inbox_rows{consumer=stats-b}"], 2.0);
     assert_eq!(gauges["quarantine_open{source=identity-conflict}"], 0.0);
     assert_eq!(count(&app.pool, &open("identity-conflict")).await, 0.0);
     assert_eq!(gauges["quarantine_open{source=handler-failure}"], 1.0);

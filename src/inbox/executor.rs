@@ -31,7 +31,7 @@ impl<'c> Executor<'c> for &'c mut ClaimedMessage {
         E: 'q + Execute<'q, Postgres>,
     {
         let ClaimedMessage { tx, retry, .. } = self;
-        let conn: &'c mut PgConnection = &mut **tx;
+        let conn: &'c mut PgConnection = tx;
         conn.fetch_many(query)
             .map(move |item| {
                 if let Err(err) = &item {
@@ -51,7 +51,7 @@ impl<'c> Executor<'c> for &'c mut ClaimedMessage {
         E: 'q + Execute<'q, Postgres>,
     {
         let ClaimedMessage { tx, retry, .. } = self;
-        let conn: &'c mut PgConnection = &mut **tx;
+        let conn: &'c mut PgConnection = tx;
         async move {
             let row = conn.fetch_optional(query).await;
             if let Err(err) = &row {
@@ -70,7 +70,7 @@ impl<'c> Executor<'c> for &'c mut ClaimedMessage {
     where
         'c: 'e,
     {
-        let conn: &'c mut PgConnection = &mut *self.tx;
+        let conn: &'c mut PgConnection = &mut self.tx;
         conn.prepare_with(sql, parameters)
     }
 
@@ -81,7 +81,7 @@ impl<'c> Executor<'c> for &'c mut ClaimedMessage {
     where
         'c: 'e,
     {
-        let conn: &'c mut PgConnection = &mut *self.tx;
+        let conn: &'c mut PgConnection = &mut self.tx;
         conn.describe(sql)
     }
 }

@@ -183,7 +183,7 @@ mod tests {
     fn followers_of_a_poller_that_went_away_see_it_closed() {
         let waiters = Arc::new(Waiters::new(4));
         let poller = waiters.join(lock(1));
-        let Role::Follow(mut follower) = waiters.join(lock(1)) else {
+        let Role::Follow(follower) = waiters.join(lock(1)) else {
             panic!("follows");
         };
         drop(poller);
