@@ -91,7 +91,8 @@ macro_rules! recover_failures {
 /// the key (`claimed`) or meets a committed row, which the same result carries (the columns
 /// of [`entry_columns!`]) so that a duplicate is answered from this one round trip. The row
 /// can be missing from the result only when it committed after this statement's snapshot was
-/// taken; the caller then reads it again.
+/// taken; the caller then reads it again. The read is a one-time-filtered lateral subquery,
+/// so a claim that inserted never probes the key's index a second time.
 ///
 /// Under `REPEATABLE READ` and `SERIALIZABLE`, meeting a row committed after the snapshot is
 /// a serialization failure (`40001`) instead, and the caller re-runs the transaction.
@@ -116,9 +117,11 @@ pub(crate) const CLAIM: &str = concat!(
      select l.free, exists (select 1 from claimed) as claimed, ",
     entry_columns!(),
     " from lock l \
-     left join tower_inbox.consumer_inbox i \
-         on not exists (select 1 from claimed) and ",
-    key_is!("i")
+     left join lateral ( \
+         select * from tower_inbox.consumer_inbox i \
+         where not exists (select 1 from claimed) and ",
+    key_is!("i"),
+    ") i on true"
 );
 
 /// Claims at commit: the transaction's last statement before `COMMIT` inserts the inbox row
@@ -151,9 +154,11 @@ pub(crate) const CLAIM_AT_COMMIT: &str = concat!(
             (select pg_catalog.count(*) from recovered) as recovered, ",
     entry_columns!(),
     " from lock l \
-     left join tower_inbox.consumer_inbox i \
-         on not exists (select 1 from claimed) and ",
-    key_is!("i")
+     left join lateral ( \
+         select * from tower_inbox.consumer_inbox i \
+         where not exists (select 1 from claimed) and ",
+    key_is!("i"),
+    ") i on true"
 );
 
 /// Records the outcome on the row this transaction claimed (`$5` status, `$6` header names,
