@@ -13,8 +13,8 @@ use axum::response::IntoResponse;
 use axum::routing::{delete, post};
 use axum::Router;
 use common::{
-    credit, credit_raw, send, unreachable_pool, wait_until_waiting, TestApp,
-    INSERT_REFUSED_AT_COMMIT,
+    credit, credit_raw, gated_router, send, spawn_send, unreachable_pool, wait_until_waiting,
+    TestApp, INSERT_REFUSED_AT_COMMIT,
 };
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Notify;
@@ -481,72 +481,13 @@ async fn an_exhausted_pool_answers_503_without_running_the_handler() {
     assert_eq!(count(), 1);
 }
 
-/// A handler that writes, tells the test it is in flight, and waits for a release; then
-/// answers with the status the test chose.
-struct Gate {
-    started: Arc<Notify>,
-    release: Arc<Notify>,
-    status: Arc<std::sync::Mutex<StatusCode>>,
-    /// The layer's inbox: how many duplicates wait for the original.
-    inbox: tower_inbox::Inbox,
-}
-
-fn gated_router(
-    app: &TestApp,
-    configure: impl FnOnce(InboxLayerBuilder) -> InboxLayerBuilder,
-) -> (Router, Gate, Arc<AtomicUsize>) {
-    let layer = configure(
-        InboxLayer::builder(app.pool.clone(), "credits").producer(TrustedHeader::new("x-producer")),
-    )
-    .build()
-    .expect("layer");
-    let gate = Gate {
-        started: Arc::new(Notify::new()),
-        release: Arc::new(Notify::new()),
-        status: Arc::new(std::sync::Mutex::new(StatusCode::CREATED)),
-        inbox: layer.inbox().clone(),
-    };
-    let calls = Arc::new(AtomicUsize::new(0));
-    let (started, release, status, counter) = (
-        gate.started.clone(),
-        gate.release.clone(),
-        gate.status.clone(),
-        calls.clone(),
-    );
-    let handler = move |Path(account): Path<String>, mut tx: InboxTx| {
-        let (started, release, status) = (started.clone(), release.clone(), status.clone());
-        let call = counter.fetch_add(1, Ordering::SeqCst);
-        async move {
-            sqlx::query(
-                "insert into credit_account (account_id, balance) values ($1, 1)
-                 on conflict (account_id) do update set balance = credit_account.balance + 1",
-            )
-            .bind(&account)
-            .execute(&mut *tx)
-            .await
-            .expect("write");
-            started.notify_one();
-            release.notified().await;
-            let status = *status.lock().unwrap();
-            (status, format!("call {call}")).into_response()
-        }
-    };
-    let router = Router::new()
-        .route("/accounts/{account}/credits", post(handler))
-        .layer(layer);
-    (router, gate, calls)
-}
-
 #[tokio::test]
 async fn a_duplicate_of_an_in_flight_original_gets_409_after_the_wait() {
     let app = TestApp::new().await;
     let (router, gate, calls) = gated_router(&app, |b| {
         b.in_flight_wait(Duration::from_millis(100)).retry_after(2)
     });
-    let original = tokio::spawn({
-        let router = router.clone();
-        async move { send(&router, credit("a1", Some("k"), Some("app"), 1)).await }
-    });
+    let original = spawn_send(&router, credit("a1", Some("k"), Some("app"), 1));
     gate.started.notified().await;
 
     let duplicate = send(&router, credit("a1", Some("k"), Some("app"), 1)).await;
@@ -568,15 +509,9 @@ async fn a_duplicate_of_an_in_flight_original_gets_409_after_the_wait() {
 async fn a_waiting_duplicate_replays_when_the_original_commits() {
     let app = TestApp::new().await;
     let (router, gate, calls) = gated_router(&app, |b| b.in_flight_wait(Duration::from_secs(30)));
-    let original = tokio::spawn({
-        let router = router.clone();
-        async move { send(&router, credit("a1", Some("k"), Some("app"), 1)).await }
-    });
+    let original = spawn_send(&router, credit("a1", Some("k"), Some("app"), 1));
     gate.started.notified().await;
-    let duplicate = tokio::spawn({
-        let router = router.clone();
-        async move { send(&router, credit("a1", Some("k"), Some("app"), 1)).await }
-    });
+    let duplicate = spawn_send(&router, credit("a1", Some("k"), Some("app"), 1));
     wait_until_waiting(&gate.inbox, 1).await;
     gate.release.notify_one();
 
@@ -594,15 +529,9 @@ async fn a_waiting_duplicate_runs_when_the_original_rolls_back() {
     let app = TestApp::new().await;
     let (router, gate, calls) = gated_router(&app, |b| b.in_flight_wait(Duration::from_secs(30)));
     *gate.status.lock().unwrap() = StatusCode::SERVICE_UNAVAILABLE;
-    let original = tokio::spawn({
-        let router = router.clone();
-        async move { send(&router, credit("a1", Some("k"), Some("app"), 1)).await }
-    });
+    let original = spawn_send(&router, credit("a1", Some("k"), Some("app"), 1));
     gate.started.notified().await;
-    let duplicate = tokio::spawn({
-        let router = router.clone();
-        async move { send(&router, credit("a1", Some("k"), Some("app"), 1)).await }
-    });
+    let duplicate = spawn_send(&router, credit("a1", Some("k"), Some("app"), 1));
     wait_until_waiting(&gate.inbox, 1).await;
     // The original fails; the duplicate then owns the claim and runs (and succeeds).
     gate.release.notify_one();
@@ -629,10 +558,7 @@ async fn a_waiting_duplicate_runs_when_the_original_rolls_back() {
 async fn a_client_that_goes_away_mid_handler_rolls_back() {
     let app = TestApp::new().await;
     let (router, gate, _calls) = gated_router(&app, |b| b.in_flight_wait(Duration::from_secs(30)));
-    let request = tokio::spawn({
-        let router = router.clone();
-        async move { send(&router, credit("a1", Some("k"), Some("app"), 1)).await }
-    });
+    let request = spawn_send(&router, credit("a1", Some("k"), Some("app"), 1));
     gate.started.notified().await;
     // The handler has written; the client disconnects, which drops the request future.
     request.abort();
@@ -641,10 +567,7 @@ async fn a_client_that_goes_away_mid_handler_rolls_back() {
     let (attempts, reason) = app.wait_for_failures("app", "k", 1).await;
     assert_eq!((attempts, reason.as_str()), (1, "client-gone"));
     // The retry is not blocked by the abandoned attempt: it rolled back.
-    let retry = tokio::spawn({
-        let router = router.clone();
-        async move { send(&router, credit("a1", Some("k"), Some("app"), 1)).await }
-    });
+    let retry = spawn_send(&router, credit("a1", Some("k"), Some("app"), 1));
     gate.started.notified().await;
     gate.release.notify_one();
     let retry = retry.await.expect("retry");

@@ -6,9 +6,14 @@
 pub mod credits;
 pub mod proxy;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
+use axum::extract::Path;
+use axum::response::IntoResponse;
+use axum::routing::post;
 use axum::Router;
 use bytes::Bytes;
 use http::{HeaderMap, Request, StatusCode};
@@ -16,8 +21,11 @@ use http_body_util::BodyExt;
 use serde_json::Value;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
+use tokio::sync::Notify;
 use tower::ServiceExt;
-use tower_inbox_testdb::TestDatabase;
+use tower_inbox::producer::TrustedHeader;
+use tower_inbox::{InboxLayer, InboxLayerBuilder, InboxTx};
+use tower_inbox_testdb::{Cluster, TestDatabase};
 
 /// A fresh database with the inbox and credits schemas.
 pub struct TestApp {
@@ -33,9 +41,23 @@ impl TestApp {
 
     pub async fn with_pool_size(max_connections: u32) -> Self {
         let db = TestDatabase::create().await.expect("test database");
+        Self::on(db, max_connections).await
+    }
+
+    /// The schemas in `db`, e.g. a database of a private [`Cluster`] whose log a test reads.
+    pub async fn on(db: TestDatabase, max_connections: u32) -> Self {
         let pool = db.pool(max_connections).await;
         credits::prepare(&pool).await.expect("schema");
         Self { pool, db }
+    }
+
+    /// Another pool to the same database whose sessions start with `settings`
+    /// (`lock_timeout`, `statement_timeout`, ...).
+    pub fn pool_with(&self, max_connections: u32, settings: &[(&str, &str)]) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(max_connections)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_lazy_with(self.db.connect_options().options(settings.iter().copied()))
     }
 
     /// The credits service exactly as the example serves it.
@@ -149,6 +171,19 @@ impl TestApp {
         }
         panic!("no failure record with {attempts} attempts for {producer}/{key}");
     }
+}
+
+/// A private cluster whose log holds every warning and error with the statement that raised
+/// it, and no statement parameters: `log_min_messages=warning`, `log_min_error_statement=error`
+/// and `log_parameter_max_length_on_error=0` (the last two are the defaults, made explicit).
+pub async fn logging_cluster() -> Cluster {
+    Cluster::builder()
+        .setting("log_min_messages", "warning")
+        .setting("log_min_error_statement", "error")
+        .setting("log_parameter_max_length_on_error", "0")
+        .start()
+        .await
+        .expect("private cluster")
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -274,6 +309,12 @@ impl Reply {
     }
 }
 
+/// [`send`] from a task of its own: a request in flight while the test goes on.
+pub fn spawn_send(router: &Router, request: Request<Body>) -> tokio::task::JoinHandle<Reply> {
+    let router = router.clone();
+    tokio::spawn(async move { send(&router, request).await })
+}
+
 pub async fn send(router: &Router, request: Request<Body>) -> Reply {
     let response = router.clone().oneshot(request).await.expect("infallible");
     let (parts, body) = response.into_parts();
@@ -283,4 +324,62 @@ pub async fn send(router: &Router, request: Request<Body>) -> Reply {
         headers: parts.headers,
         body,
     }
+}
+
+/// A handler that writes, tells the test it is in flight, and waits for a release; then
+/// answers with the status the test chose.
+pub struct Gate {
+    pub started: Arc<Notify>,
+    pub release: Arc<Notify>,
+    pub status: Arc<std::sync::Mutex<StatusCode>>,
+    /// The layer's inbox: how many duplicates wait for the original.
+    pub inbox: tower_inbox::Inbox,
+}
+
+/// The credit route (consumer `credits`) behind a [`Gate`]d handler, which also counts its
+/// calls.
+pub fn gated_router(
+    app: &TestApp,
+    configure: impl FnOnce(InboxLayerBuilder) -> InboxLayerBuilder,
+) -> (Router, Gate, Arc<AtomicUsize>) {
+    let layer = configure(
+        InboxLayer::builder(app.pool.clone(), "credits").producer(TrustedHeader::new("x-producer")),
+    )
+    .build()
+    .expect("layer");
+    let gate = Gate {
+        started: Arc::new(Notify::new()),
+        release: Arc::new(Notify::new()),
+        status: Arc::new(std::sync::Mutex::new(StatusCode::CREATED)),
+        inbox: layer.inbox().clone(),
+    };
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (started, release, status, counter) = (
+        gate.started.clone(),
+        gate.release.clone(),
+        gate.status.clone(),
+        calls.clone(),
+    );
+    let handler = move |Path(account): Path<String>, mut tx: InboxTx| {
+        let (started, release, status) = (started.clone(), release.clone(), status.clone());
+        let call = counter.fetch_add(1, Ordering::SeqCst);
+        async move {
+            sqlx::query(
+                "insert into credit_account (account_id, balance) values ($1, 1)
+                 on conflict (account_id) do update set balance = credit_account.balance + 1",
+            )
+            .bind(&account)
+            .execute(&mut *tx)
+            .await
+            .expect("write");
+            started.notify_one();
+            release.notified().await;
+            let status = *status.lock().unwrap();
+            (status, format!("call {call}")).into_response()
+        }
+    };
+    let router = Router::new()
+        .route("/accounts/{account}/credits", post(handler))
+        .layer(layer);
+    (router, gate, calls)
 }
