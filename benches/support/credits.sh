@@ -1,5 +1,6 @@
-# Sourced by benches/http.sh and benches/profile.sh: starts the credits example (release build)
-# with its baseline route on a free port, and stops processes. Bash, with `set -euo pipefail`.
+# Sourced by benches/http.sh, benches/profile.sh and benches/outbox_delivery.sh: starts the
+# credits example (release build) with its baseline route on a free port, and stops
+# processes. Bash, with `set -euo pipefail`.
 #
 #   credits_start LOG   sets server_pid and address, or exits 1 with the log (the service's
 #                       CREDITS_* settings come from the environment)
