@@ -180,15 +180,24 @@ async fn a_duplicate_of_an_in_flight_original_waits_then_replays_or_gets_409() {
         .execute(&app.pool)
         .await
         .unwrap();
-    let mut holder = app.pool.begin().await.unwrap();
-    sqlx::query(
-        "insert into tower_inbox.consumer_inbox (consumer_name, producer_name, message_id, payload_sha256,
-                                     handler_version)
-         values ('at-commit', 'app', 'k', repeat('0', 64), '1')",
-    )
-    .execute(&mut *holder)
-    .await
-    .unwrap();
+    // Another process holds an uncommitted claim of the key.
+    let identity = tower_inbox::MessageIdentity::new(
+        "at-commit",
+        tower_inbox::Producer::new("app").unwrap(),
+        tower_inbox::MessageKey::new("k").unwrap(),
+    );
+    let claim = tower_inbox::Inbox::new(app.pool.clone())
+        .claim(
+            identity,
+            tower_inbox::Fingerprint::of_bytes(b"other"),
+            "1",
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    let tower_inbox::Claim::Claimed(holder) = claim else {
+        panic!("the key is free: {claim:?}");
+    };
     let impatient = Router::new()
         .route("/run", post(handler))
         .layer(layer(Duration::from_millis(100)));
