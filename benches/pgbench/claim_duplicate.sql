@@ -1,12 +1,9 @@
--- claim duplicate: a duplicate met by the claim, one statement per round trip: a
--- transaction, the claim that finds the recorded row, a rollback. (The layer now sends the
--- BEGIN with a claim that raises, then the ROLLBACK with the read of the row: two round trips
--- as here, but an expected error is not something pgbench can script.) Compare with
--- replay.sql, the read alone. Uses the rows run.sh recorded for replay.sql.
+-- A duplicate met by the claim (lookup_before_claim(false)): BEGIN, the claim (CLAIM in
+-- src/inbox/sql.rs) that finds the recorded row and answers it, and the ROLLBACK of the empty
+-- transaction (which the layer leaves to the pool's release ping). Uses the rows run.sh
+-- recorded for replay.sql.
 \set key random(1, :rows)
+\set lock :key % 2000000000
 BEGIN ISOLATION LEVEL READ COMMITTED;
-select claimed, payload_sha256, handler_version, processed_at is not null as processed,
-       response_status, response_header_names, response_header_values, response_body
-from tower_inbox_claim('credits', 'replay', '', :key,
-    '2f0c6a7a3ac4b3b35e0c8c4e1b7d3f4a9a1e5c2d6b8f0e1a2c3d4e5f6a7b8c9d', '1', 2000);
+with lock as ( select pg_catalog.pg_try_advisory_xact_lock(:client_id, :lock) as free ), claimed as ( insert into tower_inbox.consumer_inbox (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version) select pg_catalog.convert_from(:consumer, 'UTF8') collate pg_catalog."default", pg_catalog.convert_from(:producer, 'UTF8') collate pg_catalog."default", pg_catalog.convert_from(:tenant, 'UTF8') collate pg_catalog."default", :key, :sha, pg_catalog.convert_from(:version, 'UTF8') collate pg_catalog."default" from lock where lock.free on conflict do nothing returning 1 ) select l.free, exists (select 1 from claimed) as claimed, i.payload_sha256, i.handler_version, i.processed_at is not null as processed, i.response_status, i.response_header_names, i.response_header_values, i.response_body from lock l left join lateral ( select * from tower_inbox.consumer_inbox i where not exists (select 1 from claimed) and i.consumer_name = pg_catalog.convert_from(:consumer, 'UTF8') collate pg_catalog."default" and i.producer_name = pg_catalog.convert_from(:producer, 'UTF8') collate pg_catalog."default" and i.tenant_id = pg_catalog.convert_from(:tenant, 'UTF8') collate pg_catalog."default" and i.message_id = :key) i on true;
 ROLLBACK;

@@ -1,9 +1,12 @@
--- The messages the layer sends for a first-seen command with ClaimMode::AtCommit, one line
--- per round trip (see layer_first_seen.sql): BEGIN, the handler's two statements, the claim
--- with the recorded response and the COMMIT in one message, and the release's ROLLBACK of
--- the empty transaction. Run with -M simple: compare it with bare@simple.
+-- The statements the layer sends for a first-seen command with ClaimMode::AtCommit, one
+-- round trip each, as src/inbox/sql.rs writes them (a unit test there checks this file
+-- against the constants): the lookup (LOOKUP_OR_BUSY), BEGIN, the credit's two statements,
+-- the claim with the recorded response (CLAIM_AT_COMMIT), COMMIT. Compare with
+-- minimal_at_commit.sql.
 \set aid random(0, 9999)
 \set key :client_id * 100000000000000 + random(0, 99999999999999)
+\set lock :key % 2000000000
+select pg_catalog.pg_try_advisory_xact_lock(:client_id, :lock) as free, i.payload_sha256, i.handler_version, i.processed_at is not null as processed, i.response_status, i.response_header_names, i.response_header_values, i.response_body from (select) as one left join tower_inbox.consumer_inbox i on i.consumer_name = pg_catalog.convert_from(:consumer, 'UTF8') collate pg_catalog."default" and i.producer_name = pg_catalog.convert_from(:producer, 'UTF8') collate pg_catalog."default" and i.tenant_id = pg_catalog.convert_from(:tenant, 'UTF8') collate pg_catalog."default" and i.message_id = :key;
 BEGIN ISOLATION LEVEL READ COMMITTED;
 insert into credit_account (account_id, balance) values (:aid, 1)
 on conflict (account_id) do update set balance = credit_account.balance + excluded.balance
@@ -11,5 +14,5 @@ returning balance \gset
 insert into credit_ledger
     (account_id, delta, balance_after, consumer_name, producer_name, message_id)
 values (:aid, 1, :balance, 'credits', 'bench', :key);
-select tower_inbox_claim_at_commit_or_abort(E'credits', E'bench', E'', E'k:key', E'2f0c6a7a3ac4b3b35e0c8c4e1b7d3f4a9a1e5c2d6b8f0e1a2c3d4e5f6a7b8c9d', E'1', 2000::integer, 201::smallint, array[E'content-type']::text[], array[E'\\x6170706c69636174696f6e2f6a736f6e'::bytea]::bytea[], E'\\x7b226163636f756e745f6964223a22616363742d31323334222c2262616c616e6365223a34322c2264656c7461223a317d'::bytea, E'handler-failure\x3acredits\x1fbench\x1f\x1fk:key') \; commit \; begin;
-rollback;
+with lock as ( select pg_catalog.pg_try_advisory_xact_lock(:client_id, :lock) as free ), claimed as ( insert into tower_inbox.consumer_inbox (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version, processed_at, response_status, response_header_names, response_header_values, response_body) select pg_catalog.convert_from(:consumer, 'UTF8') collate pg_catalog."default", pg_catalog.convert_from(:producer, 'UTF8') collate pg_catalog."default", pg_catalog.convert_from(:tenant, 'UTF8') collate pg_catalog."default", :key, :sha, pg_catalog.convert_from(:version, 'UTF8') collate pg_catalog."default", pg_catalog.clock_timestamp(), :status, :header_names, :header_values, :body from lock where lock.free on conflict do nothing returning 1 ), recovered as ( update tower_inbox.inbox_quarantine q set recovered_at = pg_catalog.now(), decision = coalesce(q.decision, 'repair'), decided_by = coalesce(q.decided_by, 'tower-inbox'), decided_at = coalesce(q.decided_at, pg_catalog.now()), decision_reason = coalesce(q.decision_reason, 'a later attempt committed') from claimed where q.item_key = pg_catalog.convert_from(:item, 'UTF8') collate pg_catalog."default" and q.recovered_at is null returning 1) select l.free, exists (select 1 from claimed) as claimed, (select pg_catalog.count(*) from recovered) as recovered, i.payload_sha256, i.handler_version, i.processed_at is not null as processed, i.response_status, i.response_header_names, i.response_header_values, i.response_body from lock l left join lateral ( select * from tower_inbox.consumer_inbox i where not exists (select 1 from claimed) and i.consumer_name = pg_catalog.convert_from(:consumer, 'UTF8') collate pg_catalog."default" and i.producer_name = pg_catalog.convert_from(:producer, 'UTF8') collate pg_catalog."default" and i.tenant_id = pg_catalog.convert_from(:tenant, 'UTF8') collate pg_catalog."default" and i.message_id = :key) i on true;
+COMMIT;

@@ -1,18 +1,20 @@
--- The messages the layer sends for a first-seen command (claim first, the default), one
--- line per round trip, as src/inbox/mod.rs writes them: the BEGIN with the claim, the
--- handler's two statements, the record with the COMMIT (and the empty transaction the
--- transaction handle ends), and the ROLLBACK of that empty transaction that the pool sends
--- with its release ping. Statements joined by \; share one message, which only the simple
--- protocol allows: run.sh runs this script with -M simple (the `@simple` in SCRIPTS), so
--- compare it with bare@simple, not with the prepared bare. The key is new every time.
+-- The statements the layer sends for a first-seen command with the default builder, one
+-- round trip each, as src/inbox/sql.rs writes them (a unit test there checks this file
+-- against the constants): the lookup (LOOKUP_OR_BUSY), BEGIN, the claim (CLAIM), the
+-- credit's two statements, the record (RECORD), COMMIT. Prepared, like sqlx's statement
+-- cache; the names travel as bytea, as bind_identity! binds them. Compare with
+-- minimal_first_seen.sql.
 \set aid random(0, 9999)
 \set key :client_id * 100000000000000 + random(0, 99999999999999)
-BEGIN ISOLATION LEVEL READ COMMITTED \; select tower_inbox_claim_or_raise(E'credits', E'bench', E'', E'k:key', E'2f0c6a7a3ac4b3b35e0c8c4e1b7d3f4a9a1e5c2d6b8f0e1a2c3d4e5f6a7b8c9d', E'1', 2000::integer);
+\set lock :key % 2000000000
+select pg_catalog.pg_try_advisory_xact_lock(:client_id, :lock) as free, i.payload_sha256, i.handler_version, i.processed_at is not null as processed, i.response_status, i.response_header_names, i.response_header_values, i.response_body from (select) as one left join tower_inbox.consumer_inbox i on i.consumer_name = pg_catalog.convert_from(:consumer, 'UTF8') collate pg_catalog."default" and i.producer_name = pg_catalog.convert_from(:producer, 'UTF8') collate pg_catalog."default" and i.tenant_id = pg_catalog.convert_from(:tenant, 'UTF8') collate pg_catalog."default" and i.message_id = :key;
+BEGIN ISOLATION LEVEL READ COMMITTED;
+with lock as ( select pg_catalog.pg_try_advisory_xact_lock(:client_id, :lock) as free ), claimed as ( insert into tower_inbox.consumer_inbox (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version) select pg_catalog.convert_from(:consumer, 'UTF8') collate pg_catalog."default", pg_catalog.convert_from(:producer, 'UTF8') collate pg_catalog."default", pg_catalog.convert_from(:tenant, 'UTF8') collate pg_catalog."default", :key, :sha, pg_catalog.convert_from(:version, 'UTF8') collate pg_catalog."default" from lock where lock.free on conflict do nothing returning 1 ) select l.free, exists (select 1 from claimed) as claimed, i.payload_sha256, i.handler_version, i.processed_at is not null as processed, i.response_status, i.response_header_names, i.response_header_values, i.response_body from lock l left join lateral ( select * from tower_inbox.consumer_inbox i where not exists (select 1 from claimed) and i.consumer_name = pg_catalog.convert_from(:consumer, 'UTF8') collate pg_catalog."default" and i.producer_name = pg_catalog.convert_from(:producer, 'UTF8') collate pg_catalog."default" and i.tenant_id = pg_catalog.convert_from(:tenant, 'UTF8') collate pg_catalog."default" and i.message_id = :key) i on true;
 insert into credit_account (account_id, balance) values (:aid, 1)
 on conflict (account_id) do update set balance = credit_account.balance + excluded.balance
 returning balance \gset
 insert into credit_ledger
     (account_id, delta, balance_after, consumer_name, producer_name, message_id)
 values (:aid, 1, :balance, 'credits', 'bench', :key);
-select tower_inbox_record(E'credits', E'bench', E'', E'k:key', 201::smallint, array[E'content-type']::text[], array[E'\\x6170706c69636174696f6e2f6a736f6e'::bytea]::bytea[], E'\\x7b226163636f756e745f6964223a22616363742d31323334222c2262616c616e6365223a34322c2264656c7461223a317d'::bytea, E'handler-failure\x3acredits\x1fbench\x1f\x1fk:key') \; commit \; begin;
-rollback;
+with recorded as ( update tower_inbox.consumer_inbox i set processed_at = pg_catalog.clock_timestamp(), response_status = :status, response_header_names = :header_names, response_header_values = :header_values, response_body = :body where i.consumer_name = pg_catalog.convert_from(:consumer, 'UTF8') collate pg_catalog."default" and i.producer_name = pg_catalog.convert_from(:producer, 'UTF8') collate pg_catalog."default" and i.tenant_id = pg_catalog.convert_from(:tenant, 'UTF8') collate pg_catalog."default" and i.message_id = :key returning 1 ), recovered as ( update tower_inbox.inbox_quarantine q set recovered_at = pg_catalog.now(), decision = coalesce(q.decision, 'repair'), decided_by = coalesce(q.decided_by, 'tower-inbox'), decided_at = coalesce(q.decided_at, pg_catalog.now()), decision_reason = coalesce(q.decision_reason, 'a later attempt committed') from recorded where q.item_key = pg_catalog.convert_from(:item, 'UTF8') collate pg_catalog."default" and q.recovered_at is null returning 1) select (select pg_catalog.count(*) from recorded) as recorded, (select pg_catalog.count(*) from recovered) as recovered;
+COMMIT;

@@ -16,13 +16,14 @@
 #   DURATION         seconds per throughput run (default 20)
 #   SINGLE_DURATION  seconds per one-client latency run (default 5)
 #   REPLAY_ROWS      recorded rows replay.sql and claim_duplicate.sql read from (default 100000)
-#   SCRIPTS          which scripts, in order (default: bare claim_first claim_at_commit replay
-#                    claim_duplicate bare@simple layer_first_seen@simple
-#                    layer_at_commit@simple lean_first_seen@simple). A script runs with
-#                    -M prepared, or with the mode after its @: the layer_* scripts join
-#                    statements into one message, which only -M simple allows, and their
-#                    ratio is to bare@simple. lean_first_seen is a bound, not a protocol:
-#                    layer_first_seen without its PL/pgSQL (see the script).
+#   SCRIPTS          which scripts, in order (default: bare minimal_first_seen
+#                    layer_first_seen minimal_at_commit layer_at_commit replay claim_duplicate
+#                    bare@simple minimal_first_seen@simple). A script runs with -M prepared,
+#                    or with the mode after its @, and its ratio is to bare run in the same
+#                    mode. The minimal_* scripts are the database's ceiling for the protocol;
+#                    the layer_* scripts send exactly the layer's statements (a unit test in
+#                    src/inbox/sql.rs keeps them equal), so layer / minimal is what the
+#                    layer's statements cost beyond the protocol itself.
 #
 # It drops and recreates the database tower_inbox_pgbench, applies the crate's migrations
 # and the example's schema (examples/credits/schema.sql) with psql, and before every run
@@ -38,7 +39,7 @@ threads="${THREADS:-2}"
 duration="${DURATION:-20}"
 single_duration="${SINGLE_DURATION:-5}"
 replay_rows="${REPLAY_ROWS:-100000}"
-read -r -a scripts <<<"${SCRIPTS:-bare claim_first claim_at_commit replay claim_duplicate bare@simple layer_first_seen@simple layer_at_commit@simple lean_first_seen@simple}"
+read -r -a scripts <<<"${SCRIPTS:-bare minimal_first_seen layer_first_seen minimal_at_commit layer_at_commit replay claim_duplicate bare@simple minimal_first_seen@simple}"
 
 for tool in psql pgbench; do
     command -v "$tool" >/dev/null || { echo "run.sh: $tool is not on PATH" >&2; exit 1; }
@@ -67,8 +68,11 @@ sql() { psql "$scratch" -q -v ON_ERROR_STOP=1 "$@"; }
 echo "preparing $db on ${server#*@} ($(psql "$maintenance" -qAtc 'show server_version'))" >&2
 psql "$maintenance" -q -v ON_ERROR_STOP=1 -c "drop database if exists $db with (force)"
 psql "$maintenance" -q -v ON_ERROR_STOP=1 -c "create database $db"
+# The migrations name no schema: run them with the inbox schema alone on the search_path, as
+# tower_inbox::migrate does.
+sql -c "create schema tower_inbox"
 for migration in "$root"/migrations/*.sql; do
-    sql --single-transaction -f "$migration"
+    PGOPTIONS="-c search_path=tower_inbox" sql --single-transaction -f "$migration"
 done
 sql -f "$root/examples/credits/schema.sql"
 
@@ -76,13 +80,13 @@ sql -f "$root/examples/credits/schema.sql"
 # responses, a fresh checkpoint.
 reset() {
     sql >/dev/null <<SQL
-truncate credit_ledger, credit_account, consumer_inbox, consumer_inbox_failure,
-         inbox_quarantine restart identity;
+truncate credit_ledger, credit_account, tower_inbox.consumer_inbox,
+         tower_inbox.consumer_inbox_failure, tower_inbox.inbox_quarantine restart identity;
 insert into credit_account (account_id, balance) select g::text, 0 from generate_series(0, 9999) g;
-insert into consumer_inbox
+insert into tower_inbox.consumer_inbox
     (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version,
      processed_at, response_status, response_header_names, response_header_values, response_body)
-select 'credits', 'replay', '', g::text,
+select 'credits', 'bench', '', g::text,
        '2f0c6a7a3ac4b3b35e0c8c4e1b7d3f4a9a1e5c2d6b8f0e1a2c3d4e5f6a7b8c9d', '1',
        now(), 201, '{content-type}', array['application/json'::bytea],
        convert_to('{"account_id":"acct-' || g % 10000 || '","balance":42,"delta":1}', 'UTF8')
@@ -91,6 +95,16 @@ vacuum analyze;
 checkpoint;
 SQL
 }
+
+# The values the layer binds, as the credits example would: names as bytea (text input of
+# plain ASCII is its bytes), the recorded response, and a quarantine key no item has.
+values=(
+    -D consumer=credits -D producer=bench -D tenant= -D version=1
+    -D sha=2f0c6a7a3ac4b3b35e0c8c4e1b7d3f4a9a1e5c2d6b8f0e1a2c3d4e5f6a7b8c9d
+    -D status=201 -D 'header_names={content-type}' -D 'header_values={application/json}'
+    -D 'body={"account_id":"acct-1234","balance":42,"delta":1}'
+    -D item=handler-failure:credits-bench
+)
 
 # A number from pgbench's summary, e.g. `field tps` for "tps = 7412.3 (without ...)".
 field() { sed -n "s/^$1 = \([0-9.]*\).*/\1/p" | head -n 1; }
@@ -102,7 +116,7 @@ bench() {
     [[ "$1" == *@* ]] && mode="${1#*@}"
     reset
     if ! report="$(pgbench -M "$mode" -n -c "$n" -j "$jobs" -T "$seconds" \
-        -D rows="$replay_rows" -f "$here/$script.sql" "$scratch" 2>&1)"; then
+        -D rows="$replay_rows" "${values[@]}" -f "$here/$script.sql" "$scratch" 2>&1)"; then
         echo "$report" >&2
         echo "run.sh: pgbench failed on $script.sql" >&2
         exit 1

@@ -276,3 +276,73 @@ pub(crate) const QUARANTINE_MESSAGE: &str = concat!(
 pub(crate) const EXPIRED: &str = "\
 select $1 < pg_catalog.now() - pg_catalog.make_interval(secs => $2) as expired, \
        pg_catalog.now() - pg_catalog.make_interval(secs => $2) as oldest_accepted";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `sql` with every parameter (`$1`, or pgbench's `:name`) written `?` and every run of
+    /// whitespace one space: what two spellings of one statement share.
+    fn shape(sql: &str) -> String {
+        let mut out = String::with_capacity(sql.len());
+        let mut chars = sql.chars().peekable();
+        let mut last = ' ';
+        while let Some(c) = chars.next() {
+            let param = match c {
+                '$' => chars.peek().is_some_and(char::is_ascii_digit),
+                ':' => last != ':' && chars.peek().is_some_and(|n| n.is_ascii_alphabetic()),
+                _ => false,
+            };
+            if param {
+                while chars
+                    .peek()
+                    .is_some_and(|n| n.is_ascii_alphanumeric() || *n == '_')
+                {
+                    chars.next();
+                }
+                out.push('?');
+            } else if c.is_whitespace() {
+                if !out.ends_with(' ') {
+                    out.push(' ');
+                }
+            } else {
+                out.push(c);
+            }
+            last = c;
+        }
+        out
+    }
+
+    /// The pgbench scripts that measure the layer's statements send exactly these.
+    #[test]
+    fn the_pgbench_scripts_send_the_statements_the_layer_sends() {
+        let scripts = [
+            (
+                include_str!("../../benches/pgbench/layer_first_seen.sql"),
+                &[LOOKUP_OR_BUSY, CLAIM, RECORD][..],
+            ),
+            (
+                include_str!("../../benches/pgbench/layer_at_commit.sql"),
+                &[LOOKUP_OR_BUSY, CLAIM_AT_COMMIT][..],
+            ),
+            (
+                include_str!("../../benches/pgbench/replay.sql"),
+                &[LOOKUP_OR_BUSY][..],
+            ),
+            (
+                include_str!("../../benches/pgbench/claim_duplicate.sql"),
+                &[CLAIM][..],
+            ),
+        ];
+        for (script, statements) in scripts {
+            let script = shape(script);
+            for statement in statements {
+                assert!(
+                    script.contains(&shape(statement)),
+                    "a pgbench script no longer sends:\n{statement}"
+                );
+            }
+        }
+        assert_eq!(shape("a = $12 and b::text = :key"), "a = ? and b::text = ?");
+    }
+}
