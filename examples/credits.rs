@@ -16,7 +16,7 @@
 //! `POST /baseline/accounts/{id}/credits`, the same credit without the layer, to measure what
 //! the layer costs (`examples/loadgen.rs`); never in production. The opt-in speed settings
 //! can be turned on for such measurements: `CREDITS_CLAIM_AT_COMMIT=1`,
-//! `CREDITS_LOOKUP_BEFORE_CLAIM=0` (off; on by default), and `CREDITS_REPLAY_CACHE=<entries>` (64 MiB at most).
+//! `CREDITS_LOOKUP_BEFORE_CLAIM=1` or `0` (always or never; decided from the traffic by default), and `CREDITS_REPLAY_CACHE=<entries>` (64 MiB at most).
 //! Without `DATABASE_URL` it uses the local PostgreSQL on 127.0.0.1:5432, or starts a
 //! throwaway one from the local binaries, like the tests.
 
@@ -42,8 +42,10 @@ fn layer(pool: &sqlx::PgPool) -> Result<InboxLayer, Box<dyn std::error::Error + 
     if on("CREDITS_CLAIM_AT_COMMIT") {
         builder = builder.claim_mode(ClaimMode::AtCommit);
     }
-    if std::env::var("CREDITS_LOOKUP_BEFORE_CLAIM").is_ok_and(|v| v == "0") {
-        builder = builder.lookup_before_claim(false);
+    match std::env::var("CREDITS_LOOKUP_BEFORE_CLAIM").as_deref() {
+        Ok("1") => builder = builder.lookup_before_claim(true),
+        Ok("0") => builder = builder.lookup_before_claim(false),
+        _ => {}
     }
     if let Ok(entries) = std::env::var("CREDITS_REPLAY_CACHE") {
         let entries = entries

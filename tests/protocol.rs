@@ -830,10 +830,16 @@ async fn a_database_without_the_migrations_answers_500_internal() {
 #[tokio::test]
 async fn a_failure_record_that_cannot_be_written_leaves_the_rollback_intact() {
     let app = TestApp::new().await;
-    sqlx::query("drop table tower_inbox.consumer_inbox_failure")
-        .execute(&app.pool)
-        .await
-        .expect("drop");
+    // Every write of a failure record is refused.
+    sqlx::raw_sql(
+        "create function public.refuse() returns trigger language plpgsql as
+             $$ begin raise exception 'refused' using errcode = 'P0001'; end $$;
+         create trigger refuse before insert or update on tower_inbox.consumer_inbox_failure
+             for each row execute function public.refuse();",
+    )
+    .execute(&app.pool)
+    .await
+    .expect("trigger");
     let router = Router::new()
         .route(
             "/cmd",

@@ -21,5 +21,5 @@ update tower_inbox.consumer_inbox
 set processed_at = clock_timestamp(), response_status = 201,
     response_header_names = '{content-type}', response_header_values = '{application/json}',
     response_body = '{"account_id":"acct-1234","balance":42,"delta":1}'
-where consumer_name = 'credits' and producer_name = 'bench' and tenant_id = '' and message_id = :key;
+where consumer_name = 'credits' and producer_name = 'bench' and tenant_id = '' and message_id = :key::text;
 COMMIT;

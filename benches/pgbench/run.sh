@@ -17,7 +17,8 @@
 #   SINGLE_DURATION  seconds per one-client latency run (default 5)
 #   REPLAY_ROWS      recorded rows replay.sql and claim_duplicate.sql read from (default 100000)
 #   SCRIPTS          which scripts, in order (default: bare minimal_first_seen
-#                    layer_first_seen minimal_at_commit layer_at_commit replay claim_duplicate
+#                    layer_first_seen layer_first_seen_lookup minimal_at_commit layer_at_commit
+#                    replay claim_duplicate
 #                    bare@simple minimal_first_seen@simple). A script runs with -M prepared,
 #                    or with the mode after its @, and its ratio is to bare run in the same
 #                    mode. The minimal_* scripts are the database's ceiling for the protocol;
@@ -39,7 +40,7 @@ threads="${THREADS:-2}"
 duration="${DURATION:-20}"
 single_duration="${SINGLE_DURATION:-5}"
 replay_rows="${REPLAY_ROWS:-100000}"
-read -r -a scripts <<<"${SCRIPTS:-bare minimal_first_seen layer_first_seen minimal_at_commit layer_at_commit replay claim_duplicate bare@simple minimal_first_seen@simple}"
+read -r -a scripts <<<"${SCRIPTS:-bare minimal_first_seen layer_first_seen layer_first_seen_lookup minimal_at_commit layer_at_commit replay claim_duplicate bare@simple minimal_first_seen@simple}"
 
 for tool in psql pgbench; do
     command -v "$tool" >/dev/null || { echo "run.sh: $tool is not on PATH" >&2; exit 1; }
@@ -86,7 +87,7 @@ insert into credit_account (account_id, balance) select g::text, 0 from generate
 insert into tower_inbox.consumer_inbox
     (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version,
      processed_at, response_status, response_header_names, response_header_values, response_body)
-select 'credits', 'bench', '', g::text,
+select 'credits', 'bench', 't', g::text,
        '2f0c6a7a3ac4b3b35e0c8c4e1b7d3f4a9a1e5c2d6b8f0e1a2c3d4e5f6a7b8c9d', '1',
        now(), 201, '{content-type}', array['application/json'::bytea],
        convert_to('{"account_id":"acct-' || g % 10000 || '","balance":42,"delta":1}', 'UTF8')
@@ -96,10 +97,11 @@ checkpoint;
 SQL
 }
 
-# The values the layer binds, as the credits example would: names as bytea (text input of
+# The values the layer binds, as the credits example would (with a tenant: pgbench takes no
+# empty value): names as bytea (text input of
 # plain ASCII is its bytes), the recorded response, and a quarantine key no item has.
 values=(
-    -D consumer=credits -D producer=bench -D tenant= -D version=1
+    -D consumer=credits -D producer=bench -D tenant=t -D version=1
     -D sha=2f0c6a7a3ac4b3b35e0c8c4e1b7d3f4a9a1e5c2d6b8f0e1a2c3d4e5f6a7b8c9d
     -D status=201 -D 'header_names={content-type}' -D 'header_values={application/json}'
     -D 'body={"account_id":"acct-1234","balance":42,"delta":1}'

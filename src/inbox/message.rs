@@ -8,7 +8,7 @@ use sqlx::{Postgres, Row, Transaction};
 use time::OffsetDateTime;
 use tracing::Instrument;
 
-use super::entry::{entry_from_row, response_binds, seen, Claim, InboxEntry, RecordedResponse};
+use super::entry::{response_binds, seen, Claim, RecordedResponse};
 use super::{
     count_claim, quarantine_recovered, sql, ClaimLock, Inbox, InboxError, RetryReason, Settled,
 };
@@ -37,8 +37,17 @@ pub struct ClaimedMessage {
     identity: MessageIdentity,
     pub(super) retry: Option<RetryReason>,
     inbox: Inbox,
-    /// Set when the claim is still to be made, at commit.
-    at_commit: Option<ClaimAtCommit>,
+    claimed: Claimed,
+}
+
+/// How the message was (or is to be) claimed.
+#[derive(Debug)]
+pub(crate) enum Claimed {
+    /// By the transaction's first statement, which also saw whether earlier attempts
+    /// failed (then the success recovers their quarantine item).
+    First { failed_before: bool },
+    /// Not yet: at commit, with the recorded response.
+    AtCommit(ClaimAtCommit),
 }
 
 /// What a claim made at commit needs.
@@ -64,14 +73,14 @@ impl ClaimedMessage {
         tx: Transaction<'static, Postgres>,
         identity: MessageIdentity,
         inbox: Inbox,
-        at_commit: Option<ClaimAtCommit>,
+        claimed: Claimed,
     ) -> Self {
         Self {
             tx,
             identity,
             retry: None,
             inbox,
-            at_commit,
+            claimed,
         }
     }
 
@@ -158,10 +167,15 @@ impl ClaimedMessage {
         );
         let labels = self.inbox.metric_labels();
         let identity = self.identity.clone();
+        let inbox = matches!(self.claimed, Claimed::AtCommit(_)).then(|| self.inbox.clone());
         let result = self
             .record_and_commit(response)
             .instrument(span.clone())
             .await;
+        if let (Some(inbox), Ok(finished)) = (&inbox, &result) {
+            // A claim at commit learns only now whether the key was taken.
+            inbox.observe_taken(matches!(finished, Finished::ClaimedElsewhere(_)));
+        }
         let outcome = match &result {
             Ok(Finished::Committed) => {
                 m::count(m::FIRST_SEEN, &labels.of(&identity), 1);
@@ -186,34 +200,30 @@ impl ClaimedMessage {
             self.tx.rollback().await.map_err(InboxError::classify)?;
             return Err(InboxError::Rerun(reason));
         }
-        let item_key = identity_item_key(QuarantineSource::HandlerFailure, &self.identity, "");
         let (status, names, values, body) = response_binds(response);
-        let recovered = match self.at_commit.take() {
-            None => {
+        let failed_before = match &self.claimed {
+            Claimed::First { failed_before } => {
                 let sql = self.inbox.schema().sql(sql::RECORD);
-                let row = bind_identity!(sqlx::query(&sql), &self.identity)
+                let recorded = bind_identity!(sqlx::query(&sql), &self.identity)
                     .bind(status)
                     .bind(names)
                     .bind(values)
                     .bind(body)
-                    .bind(item_key.as_bytes())
-                    .fetch_one(&mut *self.tx)
+                    .fetch_optional(&mut *self.tx)
                     .await
                     .map_err(InboxError::classify)?;
-                let recorded: i64 = row.try_get("recorded").map_err(InboxError::Database)?;
-                if recorded != 1 {
+                if recorded.is_none() {
                     // A claim never commits without its response.
                     self.tx.rollback().await.map_err(InboxError::classify)?;
                     return Err(InboxError::ClaimMissing);
                 }
-                row.try_get::<i64, _>("recovered")
-                    .map_err(InboxError::Database)?
+                *failed_before
             }
-            Some(claim) => {
+            Claimed::AtCommit(claim) => {
                 let lock = ClaimLock::of(self.inbox.schema(), &self.identity);
                 let sql = self.inbox.schema().sql(sql::CLAIM_AT_COMMIT);
                 let started = Instant::now();
-                let row = bind_identity!(sqlx::query(&sql), &self.identity)
+                let claimed = bind_identity!(sqlx::query(&sql), &self.identity)
                     .bind(claim.fingerprint.to_hex())
                     .bind(claim.handler_version.as_bytes())
                     .bind(lock.0)
@@ -222,8 +232,7 @@ impl ClaimedMessage {
                     .bind(names)
                     .bind(values)
                     .bind(body)
-                    .bind(item_key.as_bytes())
-                    .fetch_one(&mut *self.tx)
+                    .fetch_optional(&mut *self.tx)
                     .await
                     .map_err(InboxError::classify);
                 m::observe_seconds(
@@ -234,24 +243,32 @@ impl ClaimedMessage {
                         .of_consumer(self.identity.consumer()),
                     started.elapsed().as_secs_f64(),
                 );
-                let row = row?;
-                let get = |e| InboxError::Database(e);
-                if !row.try_get::<bool, _>("claimed").map_err(get)? {
-                    let free: bool = row.try_get("free").map_err(get)?;
-                    let entry = entry_from_row(&row)?;
-                    // Everything the handler wrote goes, and its locks with it.
-                    self.tx.rollback().await.map_err(InboxError::classify)?;
-                    return taken_at_commit(&self.inbox, &self.identity, entry, free, lock, &claim)
-                        .await;
+                match claimed? {
+                    Some(row) => row.try_get("failed").map_err(InboxError::Database)?,
+                    None => {
+                        // Everything the handler wrote goes, and its locks with it.
+                        self.tx.rollback().await.map_err(InboxError::classify)?;
+                        return taken_at_commit(&self.inbox, &self.identity, lock, claim).await;
+                    }
                 }
-                row.try_get::<i64, _>("recovered").map_err(get)?
             }
         };
+        let mut recovered = 0;
+        if failed_before {
+            let item_key = identity_item_key(QuarantineSource::HandlerFailure, &self.identity, "");
+            let sql = self.inbox.schema().sql(sql::RECOVER);
+            recovered = sqlx::query(&sql)
+                .bind(item_key.as_bytes())
+                .execute(&mut *self.tx)
+                .await
+                .map_err(InboxError::classify)?
+                .rows_affected();
+        }
         self.tx
             .commit()
             .await
             .map_err(InboxError::classify_commit)?;
-        quarantine_recovered(QuarantineSource::HandlerFailure, recovered.unsigned_abs());
+        quarantine_recovered(QuarantineSource::HandlerFailure, recovered);
         Ok(Finished::Committed)
     }
 
@@ -277,38 +294,23 @@ impl ClaimedMessage {
     }
 }
 
-/// What a claim at commit that found its key taken answers, after its rollback.
+/// What a claim at commit that found its key taken answers, after its rollback: the row that
+/// holds it, once the original (if in flight) has finished or the wait has run out.
 async fn taken_at_commit(
     inbox: &Inbox,
     identity: &MessageIdentity,
-    entry: Option<InboxEntry>,
-    free: bool,
     lock: ClaimLock,
     claim: &ClaimAtCommit,
 ) -> Result<Finished, InboxError> {
-    let entry = match (entry, free) {
-        (Some(entry), _) => Some(entry),
-        // Committed after the statement's snapshot: read it afresh.
-        (None, true) => inbox.lookup(identity).await?,
-        // In flight elsewhere: wait for it. If it rolls back meanwhile, the client's retry
-        // runs the command; this attempt's writes are gone already.
-        (None, false) => {
-            let deadline = Instant::now() + claim.wait;
-            match inbox.settle(identity, lock, deadline, &mut false).await? {
-                Settled::Held(entry) => Some(entry),
-                Settled::Busy | Settled::Free => {
-                    return Ok(Finished::ClaimedElsewhere(Box::new(Claim::InProgress)))
-                }
-            }
-        }
-    };
-    match entry {
-        Some(entry) => Ok(Finished::ClaimedElsewhere(Box::new(seen(
+    let deadline = Instant::now() + claim.wait;
+    match inbox.settle(identity, lock, deadline, &mut false).await? {
+        Settled::Held(entry) => Ok(Finished::ClaimedElsewhere(Box::new(seen(
             entry,
             &claim.fingerprint,
         )))),
-        // Taken, then gone (purged) before it could be read: run again.
-        None => Err(InboxError::Rerun(RetryReason::SerializationFailure)),
+        Settled::Busy => Ok(Finished::ClaimedElsewhere(Box::new(Claim::InProgress))),
+        // Taken, then gone (the original rolled back, or a purge): run again.
+        Settled::Free => Err(InboxError::Rerun(RetryReason::SerializationFailure)),
     }
 }
 

@@ -39,6 +39,7 @@
 mod entry;
 mod error;
 mod executor;
+mod lookup;
 mod message;
 mod settings;
 pub(crate) mod sql;
@@ -61,6 +62,7 @@ use crate::schema::Schema;
 pub(crate) use entry::{headers_len, seen};
 pub use entry::{Claim, InboxEntry, RecordedResponse};
 pub use error::{InboxError, RetryReason};
+use lookup::{LookupFirst, TakenShare};
 pub use message::ClaimedMessage;
 pub(crate) use message::Finished;
 pub use settings::{ClaimMode, IsolationLevel};
@@ -77,14 +79,17 @@ pub struct Inbox {
     schema: Schema,
     isolation: IsolationLevel,
     labels: MetricLabels,
-    lookup_first: bool,
+    lookup: LookupFirst,
+    /// How often keys were found taken lately, for [`LookupFirst::Adaptive`].
+    taken: Arc<TakenShare>,
     waiters: Arc<Waiters>,
 }
 
 impl Inbox {
     /// An inbox over a pool whose database has the [`migrate`](crate::migrate) migrations
     /// applied, in the default schema; claims run at `READ COMMITTED`, look a key up before
-    /// opening a transaction for it, and metrics carry the consumer label.
+    /// opening a transaction for it while duplicates are common (see
+    /// [`with_lookup_first`](Self::with_lookup_first)), and metrics carry the consumer label.
     pub fn new(pool: PgPool) -> Self {
         // A quarter of the pool: enough for a few keys in flight, never the whole pool.
         let limit = usize::try_from(pool.options().get_max_connections() / 4).unwrap_or(1);
@@ -93,7 +98,8 @@ impl Inbox {
             schema: Schema::default(),
             isolation: IsolationLevel::default(),
             labels: MetricLabels::default(),
-            lookup_first: true,
+            lookup: LookupFirst::default(),
+            taken: Arc::new(TakenShare::new()),
             waiters: Arc::new(Waiters::new(limit)),
         }
     }
@@ -138,16 +144,30 @@ impl Inbox {
         self
     }
 
-    /// Whether a claim first reads the key's row outside any transaction (default `true`).
+    /// Whether a claim first reads the key's row outside any transaction: always (`true`) or
+    /// never (`false`). The default decides from the traffic.
     ///
-    /// On: a duplicate of a finished command is answered from that one primary-key read,
-    /// with no transaction and no write, and one of an in-flight command waits without
-    /// opening a transaction; a first-seen message pays the read (one round trip) before its
-    /// transaction. Off: every message opens its transaction and claims at once, and a
-    /// duplicate learns it is one from the claim (two round trips).
+    /// The read answers a duplicate of a finished command from one primary-key read, with no
+    /// transaction and no write, and lets one of an in-flight command wait without opening
+    /// one; it costs a first-seen message one round trip more. Without it a duplicate learns
+    /// it is one from the claim: `BEGIN`, the claim, a read in the same transaction (three
+    /// round trips). By default the inbox reads first while more than a fifth of the recent
+    /// messages (about the last 32) found their key taken, and claims at once otherwise: a
+    /// steady stream of new commands costs the protocol's own round trips, and a retry storm
+    /// turns the read on within a message or two.
     pub fn with_lookup_first(mut self, on: bool) -> Self {
-        self.lookup_first = on;
+        self.lookup = if on {
+            LookupFirst::Always
+        } else {
+            LookupFirst::Never
+        };
         self
+    }
+
+    /// Counts a message whose key was (or was not) found taken, for the default lookup
+    /// decision.
+    pub(crate) fn observe_taken(&self, taken: bool) {
+        self.taken.observe(taken);
     }
 
     /// The pool claims are made from.
@@ -209,7 +229,10 @@ impl Inbox {
             m::observe_seconds(m::CLAIM_WAIT, &wait_labels, started.elapsed().as_secs_f64());
         }
         let outcome = match &claim {
-            Ok(claim) => count_claim(claim, &labels),
+            Ok(claim) => {
+                self.observe_taken(!matches!(claim, Claim::Claimed(_)));
+                count_claim(claim, &labels)
+            }
             Err(err) => err.kind(),
         };
         span.record("outcome", outcome);
@@ -234,7 +257,8 @@ impl Inbox {
             return Ok(answer);
         }
         let fingerprint_hex = fingerprint.to_hex();
-        let sql = self.schema.sql(sql::CLAIM);
+        let claim_sql = self.schema.sql(sql::CLAIM);
+        let read_sql = self.schema.sql(sql::LOOKUP_OR_BUSY);
         let mut vanished = 0;
         loop {
             let mut tx = self
@@ -242,51 +266,54 @@ impl Inbox {
                 .begin_with(self.isolation.begin())
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
-            let row = bind_identity!(sqlx::query(&sql), &identity)
+            let claimed = bind_identity!(sqlx::query(&claim_sql), &identity)
                 .bind(&fingerprint_hex)
                 .bind(handler_version.as_bytes())
+                .bind(lock.0)
+                .bind(lock.1)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(|e| self.failed(consumer, e))?;
+            *timed = true;
+            if let Some(row) = claimed {
+                let failed_before = row.try_get("failed").map_err(InboxError::Database)?;
+                return Ok(Claim::Claimed(ClaimedMessage::new(
+                    tx,
+                    identity,
+                    self.clone(),
+                    message::Claimed::First { failed_before },
+                )));
+            }
+            // Taken: by a committed row, or by a claim in flight. A read in the same
+            // transaction (a new snapshot) tells which.
+            let row = bind_identity!(sqlx::query(&read_sql), &identity)
                 .bind(lock.0)
                 .bind(lock.1)
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
-            *timed = true;
-            let get = |e| InboxError::Database(e);
-            let free: bool = row.try_get("free").map_err(get)?;
-            if row.try_get::<bool, _>("claimed").map_err(get)? {
-                return Ok(Claim::Claimed(ClaimedMessage::new(
-                    tx,
-                    identity,
-                    self.clone(),
-                    None,
-                )));
-            }
-            let entry = entry::entry_from_row(&row)?;
             // Nothing was written: dropping the transaction rolls it back (and releases the
             // key's lock) when the connection is next used, which the pool does at once on
             // release, so the duplicate pays no round trip for its ROLLBACK.
             drop(tx);
-            let entry = match (entry, free) {
-                (Some(entry), _) => Some(entry),
-                // The row committed after this statement's snapshot: read it afresh.
-                (None, true) => self.lookup(&identity).await?,
-                // The original is in flight.
-                (None, false) => match self.settle(&identity, lock, deadline, timed).await? {
-                    Settled::Held(entry) => Some(entry),
-                    Settled::Busy => return Ok(Claim::InProgress),
-                    // It rolled back: claim again.
-                    Settled::Free => continue,
-                },
-            };
-            match entry {
-                Some(entry) => return Ok(seen(entry, &fingerprint)),
-                None => {
-                    // Taken, then gone (a purge deleted it): contention, retried like one.
-                    vanished += 1;
-                    if vanished >= VANISHED_ATTEMPTS {
-                        return Err(InboxError::Rerun(RetryReason::SerializationFailure));
-                    }
+            if let Some(entry) = entry::entry_from_row(&row)? {
+                return Ok(seen(entry, &fingerprint));
+            }
+            let free: bool = row.try_get("free").map_err(InboxError::Database)?;
+            if free {
+                // Taken, then gone before it could be read: the original rolled back, or a
+                // purge deleted the row. Contention; retried like it, a few times.
+                vanished += 1;
+                if vanished >= VANISHED_ATTEMPTS {
+                    return Err(InboxError::Rerun(RetryReason::SerializationFailure));
                 }
+                continue;
+            }
+            match self.settle(&identity, lock, deadline, timed).await? {
+                Settled::Held(entry) => return Ok(seen(entry, &fingerprint)),
+                Settled::Busy => return Ok(Claim::InProgress),
+                // It rolled back: claim again.
+                Settled::Free => {}
             }
         }
     }
@@ -405,7 +432,7 @@ impl Inbox {
             tx,
             identity,
             self.clone(),
-            Some(at_commit),
+            message::Claimed::AtCommit(at_commit),
         ))
     }
 
@@ -420,7 +447,7 @@ impl Inbox {
         deadline: Instant,
         waited: &mut bool,
     ) -> Result<Option<Claim>, InboxError> {
-        if !self.lookup_first {
+        if !self.lookup.now(&self.taken) {
             return Ok(None);
         }
         let lock = ClaimLock::of(&self.schema, identity);

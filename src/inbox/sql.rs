@@ -59,50 +59,40 @@ macro_rules! entry_columns {
     };
 }
 
-/// Marks the quarantine item about earlier failed attempts of a command (key `$item`)
-/// recovered, for each row of the CTE `$done`: it commits exactly when the success does.
-macro_rules! recover_failures {
-    ($done:literal, $item:literal) => {
+/// Whether an attempt at the command bound as `$1`..`$4` failed before (it has a row in
+/// `consumer_inbox_failure`): then its success must mark the quarantine item about those
+/// failures recovered ([`RECOVER`]). One primary-key probe of a table that holds failures
+/// only.
+macro_rules! failed_before {
+    () => {
         concat!(
-            "recovered as ( \
-                 update tower_inbox.inbox_quarantine q \
-                 set recovered_at = pg_catalog.now(), \
-                     decision = coalesce(q.decision, 'repair'), \
-                     decided_by = coalesce(q.decided_by, 'tower-inbox'), \
-                     decided_at = coalesce(q.decided_at, pg_catalog.now()), \
-                     decision_reason = coalesce(q.decision_reason, 'a later attempt committed') \
-                 from ",
-            $done,
-            " where q.item_key = ",
-            utf8!($item),
-            " and q.recovered_at is null \
-                 returning 1)"
+            "exists (select 1 from tower_inbox.consumer_inbox_failure f where ",
+            $crate::inbox::sql::key_is!("f"),
+            ")"
         )
     };
 }
 
 /// Claims a message as the first statement of its transaction. Parameters: the identity
 /// (`$1`..`$4`), the fingerprint (`$5`), the handler version (`$6`) and the claim lock's
-/// two keys (`$7`, `$8`).
+/// two keys (`$7`, `$8`). A row comes back when it claimed, with `failed`: whether earlier
+/// attempts failed ([`failed_before!`]).
 ///
 /// The claim never waits and never raises. It first tries the key's advisory lock, which
 /// every claim of the key holds until its transaction ends: held elsewhere, the original is
-/// in flight (`free` is false) and nothing is inserted. Otherwise the insert either claims
-/// the key (`claimed`) or meets a committed row, which the same result carries (the columns
-/// of [`entry_columns!`]) so that a duplicate is answered from this one round trip. The row
-/// can be missing from the result only when it committed after this statement's snapshot was
-/// taken; the caller then reads it again. The read is a one-time-filtered lateral subquery,
-/// so a claim that inserted never probes the key's index a second time.
+/// in flight and nothing is inserted. Otherwise the insert either claims the key or meets a
+/// committed row. When no row comes back, [`LOOKUP_OR_BUSY`], in the same transaction (a new
+/// snapshot under `READ COMMITTED`), tells which: the committed row, or the lock held.
 ///
 /// Under `REPEATABLE READ` and `SERIALIZABLE`, meeting a row committed after the snapshot is
 /// a serialization failure (`40001`) instead, and the caller re-runs the transaction.
 pub(crate) const CLAIM: &str = concat!(
     "with lock as ( \
          select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free \
-     ), claimed as ( \
-         insert into tower_inbox.consumer_inbox \
-             (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version) \
-         select ",
+     ) \
+     insert into tower_inbox.consumer_inbox \
+         (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version) \
+     select ",
     utf8!("$1"),
     ", ",
     utf8!("$2"),
@@ -111,33 +101,25 @@ pub(crate) const CLAIM: &str = concat!(
     ", $4, $5, ",
     utf8!("$6"),
     " from lock where lock.free \
-         on conflict do nothing \
-         returning 1 \
-     ) \
-     select l.free, exists (select 1 from claimed) as claimed, ",
-    entry_columns!(),
-    " from lock l \
-     left join lateral ( \
-         select * from tower_inbox.consumer_inbox i \
-         where not exists (select 1 from claimed) and ",
-    key_is!("i"),
-    ") i on true"
+     on conflict do nothing \
+     returning ",
+    failed_before!(),
+    " as failed"
 );
 
 /// Claims at commit: the transaction's last statement before `COMMIT` inserts the inbox row
 /// with the recorded response, so the claim and the record are one statement. As [`CLAIM`],
 /// with the response after the lock keys (`$9` status, `$10` header names, `$11` header
-/// values, `$12` body) and the quarantine item of earlier failures (`$13`), which it marks
-/// recovered (`recovered`) when it claims.
+/// values, `$12` body).
 pub(crate) const CLAIM_AT_COMMIT: &str = concat!(
     "with lock as ( \
          select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free \
-     ), claimed as ( \
-         insert into tower_inbox.consumer_inbox \
-             (consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
-              handler_version, processed_at, response_status, response_header_names, \
-              response_header_values, response_body) \
-         select ",
+     ) \
+     insert into tower_inbox.consumer_inbox \
+         (consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
+          handler_version, processed_at, response_status, response_header_names, \
+          response_header_values, response_body) \
+     select ",
     utf8!("$1"),
     ", ",
     utf8!("$2"),
@@ -146,39 +128,39 @@ pub(crate) const CLAIM_AT_COMMIT: &str = concat!(
     ", $4, $5, ",
     utf8!("$6"),
     ", pg_catalog.clock_timestamp(), $9, $10, $11, $12 from lock where lock.free \
-         on conflict do nothing \
-         returning 1 \
-     ), ",
-    recover_failures!("claimed", "$13"),
-    " select l.free, exists (select 1 from claimed) as claimed, \
-            (select pg_catalog.count(*) from recovered) as recovered, ",
-    entry_columns!(),
-    " from lock l \
-     left join lateral ( \
-         select * from tower_inbox.consumer_inbox i \
-         where not exists (select 1 from claimed) and ",
-    key_is!("i"),
-    ") i on true"
+     on conflict do nothing \
+     returning ",
+    failed_before!(),
+    " as failed"
 );
 
 /// Records the outcome on the row this transaction claimed (`$5` status, `$6` header names,
-/// `$7` header values, `$8` body) and marks the quarantine item of earlier failures (`$9`)
-/// recovered. `recorded` must be 1: a claim never commits without its response. The update
-/// touches no indexed column, so it can be HOT. `processed_at` is the time of recording
-/// (`clock_timestamp()`), not the start of the transaction (`now()`, which `received_at`
-/// holds).
+/// `$7` header values, `$8` body); a row comes back when it found the claimed row, and it
+/// must: a claim never commits without its response. The update touches no indexed column,
+/// so it can be HOT. `processed_at` is the time of recording (`clock_timestamp()`), not the
+/// start of the transaction (`now()`, which `received_at` holds).
 pub(crate) const RECORD: &str = concat!(
-    "with recorded as ( \
-         update tower_inbox.consumer_inbox i \
-         set processed_at = pg_catalog.clock_timestamp(), response_status = $5, \
-             response_header_names = $6, response_header_values = $7, response_body = $8 \
-         where ",
+    "update tower_inbox.consumer_inbox i \
+     set processed_at = pg_catalog.clock_timestamp(), response_status = $5, \
+         response_header_names = $6, response_header_values = $7, response_body = $8 \
+     where ",
     key_is!("i"),
-    " returning 1 \
-     ), ",
-    recover_failures!("recorded", "$9"),
-    " select (select pg_catalog.count(*) from recorded) as recorded, \
-             (select pg_catalog.count(*) from recovered) as recovered"
+    " returning 1"
+);
+
+/// Marks the quarantine item about earlier failed attempts of a command (key `$1`)
+/// recovered, in the transaction that commits its success: the recovery commits exactly when
+/// the success does. Sent only when the claim saw earlier failures.
+pub(crate) const RECOVER: &str = concat!(
+    "update tower_inbox.inbox_quarantine q \
+     set recovered_at = pg_catalog.now(), \
+         decision = coalesce(q.decision, 'repair'), \
+         decided_by = coalesce(q.decided_by, 'tower-inbox'), \
+         decided_at = coalesce(q.decided_at, pg_catalog.now()), \
+         decision_reason = coalesce(q.decision_reason, 'a later attempt committed') \
+     where q.item_key = ",
+    utf8!("$1"),
+    " and q.recovered_at is null"
 );
 
 /// Reads one inbox row (the committed state; nothing in flight is visible).
@@ -319,11 +301,15 @@ mod tests {
         let scripts = [
             (
                 include_str!("../../benches/pgbench/layer_first_seen.sql"),
+                &[CLAIM, RECORD][..],
+            ),
+            (
+                include_str!("../../benches/pgbench/layer_first_seen_lookup.sql"),
                 &[LOOKUP_OR_BUSY, CLAIM, RECORD][..],
             ),
             (
                 include_str!("../../benches/pgbench/layer_at_commit.sql"),
-                &[LOOKUP_OR_BUSY, CLAIM_AT_COMMIT][..],
+                &[CLAIM_AT_COMMIT][..],
             ),
             (
                 include_str!("../../benches/pgbench/replay.sql"),
@@ -331,7 +317,7 @@ mod tests {
             ),
             (
                 include_str!("../../benches/pgbench/claim_duplicate.sql"),
-                &[CLAIM][..],
+                &[CLAIM, LOOKUP_OR_BUSY][..],
             ),
         ];
         for (script, statements) in scripts {

@@ -305,6 +305,7 @@ impl Command {
                     .await
                 {
                     Ok(Some(answer)) => {
+                        inbox.observe_taken(true);
                         let labels = inbox.metric_labels().of(&self.identity);
                         crate::inbox::count_claim(&answer, &labels);
                         if waited {

@@ -93,7 +93,7 @@ impl InboxLayer {
             metric_labels: MetricLabels::default(),
             claim_mode: ClaimMode::default(),
             replay_cache: None,
-            lookup_before_claim: true,
+            lookup_before_claim: None,
             schema: Schema::default(),
             waiting_keys_limit: None,
         }
@@ -192,7 +192,7 @@ pub struct InboxLayerBuilder {
     metric_labels: MetricLabels,
     claim_mode: ClaimMode,
     replay_cache: Option<ReplayCache>,
-    lookup_before_claim: bool,
+    lookup_before_claim: Option<bool>,
     schema: Schema,
     waiting_keys_limit: Option<usize>,
 }
@@ -232,14 +232,15 @@ impl InboxLayerBuilder {
         self
     }
 
-    /// Reads the key's row before opening a transaction (default `true`). A duplicate of a
-    /// committed command is then answered from that one primary-key read (or refused as a
-    /// conflict), with no transaction and no write, and a duplicate of an in-flight one
-    /// waits without opening a transaction; a first-seen command pays the read (one round
-    /// trip) before its claim. Turn it off where duplicates are rare and every round trip
-    /// counts: a duplicate then learns it is one from the claim, one round trip more.
+    /// Whether the key's row is read before a transaction is opened: always (`true`) or
+    /// never (`false`). By default the layer decides from the traffic
+    /// ([`Inbox::with_lookup_first`]): it reads first while more than a fifth of the recent
+    /// requests were duplicates (or conflicts, or retries of commands in flight), and claims
+    /// at once otherwise. The read answers a duplicate of a finished command in one round
+    /// trip, with no transaction and no write; it costs a first-seen command one round trip
+    /// more. Claiming at once, a duplicate costs three (`BEGIN`, the claim, a read).
     pub fn lookup_before_claim(mut self, on: bool) -> Self {
-        self.lookup_before_claim = on;
+        self.lookup_before_claim = Some(on);
         self
     }
 
@@ -414,8 +415,10 @@ impl InboxLayerBuilder {
         let mut inbox = Inbox::new(self.pool)
             .with_schema(self.schema)
             .with_isolation(self.isolation)
-            .with_metric_labels(self.metric_labels)
-            .with_lookup_first(self.lookup_before_claim);
+            .with_metric_labels(self.metric_labels);
+        if let Some(on) = self.lookup_before_claim {
+            inbox = inbox.with_lookup_first(on);
+        }
         if let Some(keys) = self.waiting_keys_limit {
             inbox = inbox.with_waiting_keys_limit(keys);
         }
