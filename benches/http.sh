@@ -8,8 +8,10 @@
 #   benches/http.sh --connections 32 --duration 10 --rounds 3 --duplicates 0.5 --json
 #   benches/http.sh --routes layered --rounds 1 --requests 1000000 --report-every 10
 #
-# With --report-every, the load generator is also given the service's pid (--server-pid), so
-# that each interval shows the service's resident memory next to its throughput.
+# The load generator is given the service's pid (--server-pid) and asked for PostgreSQL's CPU
+# (--postgres-cpu, every process named postgres on this machine), so that each route's CPU
+# time per request is reported for the client, the service and the database; with
+# --report-every each interval also shows the service's resident memory.
 #
 # The service uses DATABASE_URL if it is set, else the PostgreSQL on 127.0.0.1:5432, else a
 # throwaway cluster (see README.md). Its log goes to a temporary file, printed if it fails.
@@ -18,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 
@@ -40,14 +42,9 @@ trap 'exit 130' INT TERM
 credits_start "$log"
 echo "http.sh: credits service (pid $server_pid) listening on $address" >&2
 
-# The service's pid for the memory figures, only when intervals are asked for (clap refuses
-# --server-pid without --report-every).
-pid_args=()
-for arg in "$@"; do
-    case "$arg" in
-    --report-every | --report-every=*) pid_args=(--server-pid "$server_pid") ;;
-    esac
-done
+# The service's pid, for its CPU time per request (and its memory with --report-every), and
+# the CPU time of every local PostgreSQL process.
+pid_args=(--server-pid "$server_pid" --postgres-cpu)
 
 status=0
 "$loadgen" --url "http://$address" "${pid_args[@]}" "$@" || status=$?

@@ -190,10 +190,15 @@ struct Args {
     /// compare the first and last intervals at the end: is throughput flat over uptime?
     #[arg(long, value_name = "SECS", value_parser = parse_phase_secs)]
     report_every: Option<Duration>,
-    /// With --report-every: the server's process id, whose resident memory (VmRSS in
-    /// /proc/PID/status) is printed with each interval: is memory flat over uptime?
-    #[arg(long, value_name = "PID", requires = "report_every")]
+    /// The server's process id (Linux): its CPU time per request is reported per route, and
+    /// with --report-every its resident memory (VmRSS in /proc/PID/status) is printed with
+    /// each interval: is memory flat over uptime?
+    #[arg(long, value_name = "PID")]
     server_pid: Option<u32>,
+    /// Also report the CPU time per request of every process named `postgres` on this
+    /// machine (Linux; the server under test should be the only PostgreSQL busy).
+    #[arg(long)]
+    postgres_cpu: bool,
     /// Print the report as one JSON object.
     #[arg(long)]
     json: bool,
@@ -371,6 +376,9 @@ struct Plan {
     run_id: String,
     /// Responses so far, every route and kind: read by the interval reports.
     responses: AtomicU64,
+    /// Whose CPU time each phase measures besides the load generator's own.
+    server_pid: Option<u32>,
+    postgres_cpu: bool,
 }
 
 impl Plan {
@@ -413,6 +421,8 @@ impl Plan {
             timeout: args.timeout,
             run_id,
             responses: AtomicU64::new(0),
+            server_pid: args.server_pid,
+            postgres_cpu: args.postgres_cpu,
         })
     }
 
@@ -908,6 +918,10 @@ struct Phase {
     elapsed: Duration,
     /// The load generator's own CPU time during the phase, where the platform tells it.
     cpu: Option<Duration>,
+    /// The server's CPU time during the phase (`--server-pid`, Linux).
+    server_cpu: Option<Duration>,
+    /// PostgreSQL's CPU time during the phase (`--postgres-cpu`, Linux).
+    postgres_cpu: Option<Duration>,
 }
 
 /// Runs one phase of `route` on all its connections and hands the slots back.
@@ -924,6 +938,8 @@ async fn run_phase(
         senders.push(connect(&plan.target).await.ok());
     }
     let cpu_before = cpu_time();
+    let server_before = plan.server_pid.and_then(|pid| process_cpu(&[pid]));
+    let postgres_before = plan.postgres_cpu.then(postgres_cpu).flatten();
     let started = Instant::now();
     let stop = match limit {
         Limit::Duration(d) => Stop::At(started + d),
@@ -945,6 +961,17 @@ async fn run_phase(
     let cpu = cpu_time()
         .zip(cpu_before)
         .map(|(after, before)| after.saturating_sub(before));
+    let server_cpu = plan
+        .server_pid
+        .and_then(|pid| process_cpu(&[pid]))
+        .zip(server_before)
+        .map(|(after, before)| after.saturating_sub(before));
+    let postgres_cpu = plan
+        .postgres_cpu
+        .then(postgres_cpu)
+        .flatten()
+        .zip(postgres_before)
+        .map(|(after, before)| after.saturating_sub(before));
     let after: u64 = slots.iter().map(|s| s.stats.responses()).sum();
     Ok((
         slots,
@@ -952,6 +979,8 @@ async fn run_phase(
             responses: after - before,
             elapsed,
             cpu,
+            server_cpu,
+            postgres_cpu,
         },
     ))
 }
@@ -980,6 +1009,50 @@ fn cpu_time() -> Option<Duration> {
     None
 }
 
+/// The user and system CPU time the processes `pids` have used so far, from
+/// `/proc/PID/stat` (Linux); `None` where it cannot be read. A process that exits during a
+/// phase takes its time with it: the pool's connections (and so their backends) live on.
+#[cfg(unix)]
+fn process_cpu(pids: &[u32]) -> Option<Duration> {
+    // SAFETY: sysconf only reads a configuration value.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let ticks = u64::try_from(ticks).ok().filter(|t| *t > 0)?;
+    let mut total = 0u64;
+    for pid in pids {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        // The command name is in parentheses and may hold spaces: count after its end.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        // utime and stime are the 14th and 15th fields, the 12th and 13th after the name.
+        let utime: u64 = fields.get(11)?.parse().ok()?;
+        let stime: u64 = fields.get(12)?.parse().ok()?;
+        total += utime + stime;
+    }
+    Some(Duration::from_micros(total * 1_000_000 / ticks))
+}
+
+#[cfg(not(unix))]
+fn process_cpu(_pids: &[u32]) -> Option<Duration> {
+    None
+}
+
+/// The CPU time every process named `postgres` has used so far (Linux).
+fn postgres_cpu() -> Option<Duration> {
+    let pids: Vec<u32> = std::fs::read_dir("/proc")
+        .ok()?
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse().ok())
+        .filter(|pid: &u32| {
+            std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                .is_ok_and(|comm| comm.trim_end() == "postgres")
+        })
+        .collect();
+    // Processes that exit between the listing and the read are left out.
+    let readable: Vec<u32> = pids
+        .into_iter()
+        .filter(|pid| process_cpu(&[*pid]).is_some())
+        .collect();
+    process_cpu(&readable)
+}
+
 /// Everything one route measured.
 struct RouteReport {
     route: Route,
@@ -995,6 +1068,14 @@ impl RouteReport {
 
     fn cpu(&self) -> Option<Duration> {
         self.phases.iter().map(|p| p.cpu).sum()
+    }
+
+    fn server_cpu(&self) -> Option<Duration> {
+        self.phases.iter().map(|p| p.server_cpu).sum()
+    }
+
+    fn postgres_cpu(&self) -> Option<Duration> {
+        self.phases.iter().map(|p| p.postgres_cpu).sum()
     }
 
     /// The first distinct mismatches and errors, warmup included.
@@ -1386,6 +1467,12 @@ impl<'a> RouteFigures<'a> {
             .collect()
     }
 
+    /// Microseconds of `cpu` per request of this route.
+    fn per_request_us(&self, cpu: Option<Duration>) -> Option<f64> {
+        let requests = self.report.stats.requests().max(1) as f64;
+        Some(cpu?.as_secs_f64() / requests * 1e6)
+    }
+
     /// The client's CPU time per request and its share of one core.
     fn client_cpu(&self) -> Option<(f64, f64)> {
         let cpu = self.report.cpu()?.as_secs_f64();
@@ -1566,6 +1653,17 @@ fn print_text(args: &Args, run_id: &str, figures: &[RouteFigures<'_>], runtime: 
     }
     println!();
     for route in figures {
+        for (whose, cpu) in [
+            ("server", route.report.server_cpu()),
+            ("PostgreSQL", route.report.postgres_cpu()),
+        ] {
+            if let Some(us) = route.per_request_us(cpu) {
+                println!(
+                    "{whose} CPU on {}: {us:.1} us per request",
+                    route.report.route.name()
+                );
+            }
+        }
         if let Some((per_request_us, share)) = route.client_cpu() {
             println!(
                 "client CPU on {}: {per_request_us:.1} us per request, {:.0}% of one core{}",
@@ -1621,6 +1719,8 @@ fn report_json(args: &Args, run_id: &str, figures: &[RouteFigures<'_>], runtime:
                 "all": f.all.json(),
                 "kinds": kinds,
                 "client_cpu_us_per_request": f.client_cpu().map(|c| c.0),
+                "server_cpu_us_per_request": f.per_request_us(f.report.server_cpu()),
+                "postgres_cpu_us_per_request": f.per_request_us(f.report.postgres_cpu()),
                 "client_cpu_share_of_core": f.client_cpu().map(|c| c.1),
                 "warmup": {
                     "requests": warm.requests(),
