@@ -14,6 +14,9 @@
 #   CLIENTS          concurrent clients of the throughput runs (default 32)
 #   THREADS          pgbench threads (default 2)
 #   DURATION         seconds per throughput run (default 20)
+#   ROUNDS           throughput runs per script, interleaved: round 1 runs every script, then
+#                    round 2 ..., so that the machine's drift hits every script alike; the
+#                    table gives each script's mean (default 3)
 #   SINGLE_DURATION  seconds per one-client latency run (default 5)
 #   REPLAY_ROWS      recorded rows replay.sql and claim_duplicate.sql read from (default 100000)
 #   SCRIPTS          which scripts, in order (default: bare minimal_first_seen
@@ -38,6 +41,7 @@ db=tower_inbox_pgbench
 clients="${CLIENTS:-32}"
 threads="${THREADS:-2}"
 duration="${DURATION:-20}"
+rounds="${ROUNDS:-3}"
 single_duration="${SINGLE_DURATION:-5}"
 replay_rows="${REPLAY_ROWS:-100000}"
 read -r -a scripts <<<"${SCRIPTS:-bare minimal_first_seen layer_first_seen layer_first_seen_lookup minimal_at_commit layer_at_commit replay claim_duplicate bare@simple minimal_first_seen@simple}"
@@ -126,17 +130,24 @@ bench() {
 }
 
 declare -A tps latency
+for round in $(seq 1 "$rounds"); do
+    for script in "${scripts[@]}"; do
+        echo "round $round: ${script%@*}.sql (-M $([[ "$script" == *@* ]] && echo "${script#*@}" || echo prepared)): $clients clients for ${duration}s" >&2
+        bench "$script" "$clients" "$threads" "$duration"
+        tps[$script]="$(awk -v sum="${tps[$script]:-0}" -v t="$(field tps <<<"$report")" \
+            'BEGIN { print sum + t }')"
+    done
+done
 for script in "${scripts[@]}"; do
-    echo "running ${script%@*}.sql (-M $([[ "$script" == *@* ]] && echo "${script#*@}" || echo prepared)): $clients clients for ${duration}s, then 1 client for ${single_duration}s" >&2
-    bench "$script" "$clients" "$threads" "$duration"
-    tps[$script]="$(field tps <<<"$report")"
+    tps[$script]="$(awk -v sum="${tps[$script]}" -v n="$rounds" 'BEGIN { print sum / n }')"
+    echo "${script%@*}.sql: 1 client for ${single_duration}s" >&2
     bench "$script" 1 1 "$single_duration"
     latency[$script]="$(field 'latency average' <<<"$report")"
 done
 
 bare="${tps[bare]:-}"
 echo
-echo "| transaction | tps ($clients clients) | × bare | latency at 1 client |"
+echo "| transaction | tps ($clients clients, mean of $rounds) | × bare | latency at 1 client |"
 echo "|---|---|---|---|"
 for script in "${scripts[@]}"; do
     ratio="–"
