@@ -73,12 +73,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         Err(_) => tower_inbox_testdb::app_database_url("tower_inbox_credits").await?,
     };
 
-    // Each in-flight command holds one connection from the claim to the commit, and a
-    // duplicate waiting for it holds another: size the pool for the concurrency you serve.
+    // Each in-flight command holds one connection from the claim to the commit (duplicates
+    // waiting for it hold none): size the pool for the concurrency you serve.
     //
     // No ping before each acquire (sqlx's default sends one, a round trip per request): a
-    // connection that died while idle fails its first statement instead, which the layer
-    // answers with 503 and nothing committed, and the client's retry gets a fresh one.
+    // connection that died while idle (a restart, a failover) fails its first statement
+    // instead, and the layer runs the command again on another connection; the claim keeps
+    // that from applying anything twice.
     let pool = PgPoolOptions::new()
         .max_connections(32)
         .acquire_timeout(Duration::from_secs(3))

@@ -24,9 +24,9 @@
 //! | first seen; the [`OutcomePolicy`] commits the status (default: 2xx, 3xx, business 4xx) | the handler's | claim + business writes + recorded response, one commit |
 //! | first seen; the handler rejects the request's shape (default: 400, 401, 403, 404, 405, 408, 413, 415, 422, 429) | the handler's | rollback: the key may be reused with a corrected request |
 //! | first seen; 5xx, panic (500 [`handler-panicked`](problem#handler-panicked)) or client gone | the handler's | rollback; the failed attempt is counted in `consumer_inbox_failure` |
-//! | claim or record fails: database down, pool timeout | 503 [`unavailable`](problem#unavailable) with `Retry-After` | nothing |
-//! | the connection fails while `COMMIT` is in flight | 503 [`unavailable`](problem#unavailable) with `Retry-After`, saying the outcome is unknown | committed or not: the retry's claim decides |
+//! | the pool times out: database down or full | 503 [`unavailable`](problem#unavailable) with `Retry-After` | nothing |
 //! | serialization failure or deadlock (claim, handler, record, commit), or a requested re-run | the handler runs again, up to [`TransientRetry`] attempts, then 503 [`transaction-conflict`](problem#transaction-conflict) | at most one commit |
+//! | the connection is lost at any step, `COMMIT` included | the protocol runs again on another connection, up to [`TransientRetry`] attempts plus the pool's size, then 503 [`unavailable`](problem#unavailable) | at most one commit: the new claim decides |
 //! | duplicate, same fingerprint | the recorded status, headers and body, plus `Idempotent-Replayed: true` | none |
 //! | duplicate, different fingerprint | 409 (or 422) [`payload-mismatch`](problem#payload-mismatch) | none; the original untouched |
 //! | duplicate while the original is in flight | waits in the process (one poller per key, no connection held between polls) up to the configured time, then replays, runs (the original rolled back), or 409 [`in-progress`](problem#in-progress) with `Retry-After` | none |

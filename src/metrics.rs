@@ -41,8 +41,8 @@ pub const IN_PROGRESS: &str = "inbox_in_progress_total";
 pub const KEY_MISSING: &str = "inbox_key_missing_total";
 /// Guarded requests refused before any claim, by problem type.
 pub const REQUESTS_REFUSED: &str = "inbox_requests_refused_total";
-/// Transactions rolled back and re-run after a serialization failure or deadlock, or at the
-/// handler's request.
+/// Transactions rolled back and re-run after a serialization failure or deadlock, at the
+/// handler's request, or after the connection was lost.
 pub const TRANSACTION_RETRIES: &str = "inbox_transaction_retries_total";
 /// The time a claim took, for each claim that ran its claim statement or waited for an
 /// in-flight original (a duplicate answered by the first lookup is not timed).
@@ -187,7 +187,7 @@ pub const METRICS: &[MetricInfo] = &[
         Counter,
         &["consumer", "reason"],
         Unit::Count,
-        "transactions rolled back and re-run: reason=serialization-failure, deadlock or requested",
+        "transactions rolled back and re-run: reason=serialization-failure, deadlock, requested or connection-lost",
     ),
     info(
         CLAIM_WAIT,

@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 /// How often, and how far apart, a transaction is re-run after a serialization failure
-/// (`40001`) or a deadlock (`40P01`).
+/// (`40001`) or a deadlock (`40P01`), or after its connection was lost. Lost connections get
+/// the pool's size on top of `max_attempts`: after a restart every idle connection of the
+/// pool is dead, and a run may meet several of them in a row (each fails once and is closed).
 ///
 /// Each re-run starts a new transaction from scratch. The delay before re-run `n` (from 1)
 /// is drawn between half and all of `base * 2^(n-1)`, capped at `cap`, so transactions that

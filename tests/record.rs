@@ -1,6 +1,7 @@
 //! The edges of recording and committing: a claim never commits without its response, the
-//! recording limit counts headers, a reserved producer cannot reach the inbox, and the
-//! answer to a failed COMMIT says what is known.
+//! recording limit counts headers, a reserved producer cannot reach the inbox, a lost
+//! connection (COMMIT included) is run again and the claim decides, and the answer once the
+//! reruns run out says what is known.
 
 mod common;
 
@@ -160,50 +161,90 @@ async fn a_producer_under_the_migration_prefix_is_refused_at_the_edge() {
     assert_eq!(app.balance("a1").await, None);
 }
 
-/// The credits example on a pool whose connections go through `proxy`.
-async fn credits_through(app: &TestApp, proxy: &Proxy) -> (Router, sqlx::PgPool) {
+/// The credits example on a pool of `size` connections that go through `proxy`, with no
+/// test before an acquire (as the example's pool).
+async fn credits_through(app: &TestApp, proxy: &Proxy, size: u32) -> (Router, sqlx::PgPool) {
     let options = app
         .db
         .connect_options()
         .host("127.0.0.1")
         .port(proxy.addr().port());
     let pool = PgPoolOptions::new()
-        .max_connections(4)
+        .max_connections(size)
         .test_before_acquire(false)
         .connect_lazy_with(options);
     (common::credits::router(pool.clone()).expect("router"), pool)
 }
 
 #[tokio::test]
-async fn a_commit_whose_answer_is_lost_says_the_outcome_is_unknown_and_the_retry_decides() {
+async fn a_commit_whose_answer_is_lost_is_run_again_and_the_claim_decides() {
     for cut in [Cut::Before, Cut::After] {
         let app = TestApp::new().await;
-        let upstream =
-            std::net::SocketAddr::from(([127, 0, 0, 1], app.db.connect_options().get_port()));
-        let proxy = Proxy::start(upstream).await;
-        let (router, _pool) = credits_through(&app, &proxy).await;
+        let proxy = Proxy::start(upstream(&app)).await;
+        let (router, _pool) = credits_through(&app, &proxy, 4).await;
 
         // The simple-query COMMIT; "READ COMMITTED" in the BEGIN does not end in a NUL.
         proxy.arm(b"COMMIT\0", cut);
         let reply = send(&router, credit("a1", Some("k"), Some("app"), 7)).await;
         proxy.cut_done().await;
-        assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{cut:?}");
-        assert_eq!(reply.problem_type(), "unavailable");
-        assert!(reply.headers.contains_key("retry-after"));
-        let detail = reply.json()["detail"].as_str().unwrap().to_owned();
-        assert!(detail.contains("unknown"), "{cut:?}: {detail}");
-        assert!(
-            !detail.contains("nothing was committed"),
-            "{cut:?}: {detail}"
-        );
-
-        // What really happened, and the retry that settles it for the client.
-        let committed = app.inbox_rows().await == 1;
-        assert_eq!(committed, cut == Cut::After, "{cut:?}");
-        let retry = send(&router, credit("a1", Some("k"), Some("app"), 7)).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{cut:?}");
-        assert_eq!(retry.replayed(), committed, "{cut:?}");
+        // The layer ran it again on another connection: the claim found the committed row
+        // (and replayed it), or the key free (and ran the command once).
+        assert_eq!(reply.status, StatusCode::CREATED, "{cut:?}: {reply:?}");
+        assert_eq!(reply.replayed(), cut == Cut::After, "{cut:?}");
         assert_eq!(app.balance("a1").await, Some(7), "{cut:?}: applied once");
         assert_eq!(app.ledger_rows("a1").await, 1, "{cut:?}");
     }
+}
+
+#[tokio::test]
+async fn commits_lost_every_time_end_in_503_outcome_unknown_and_commit_nothing_twice() {
+    let app = TestApp::new().await;
+    let proxy = Proxy::start(upstream(&app)).await;
+    let (router, _pool) = credits_through(&app, &proxy, 4).await;
+    // Every COMMIT is lost before it reaches the server: nothing ever commits, and every run
+    // ends not knowing it.
+    proxy.arm_always(b"COMMIT\0", Cut::Before);
+    let reply = send(&router, credit("a1", Some("k"), Some("app"), 7)).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{reply:?}");
+    assert_eq!(reply.problem_type(), "unavailable");
+    assert!(reply.headers.contains_key("retry-after"));
+    let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("unknown"), "{detail}");
+    assert!(!detail.contains("nothing was committed"), "{detail}");
+    assert_eq!(app.inbox_rows().await, 0);
+    assert_eq!(app.balance("a1").await, None);
+
+    // The database is reachable again: the client's retry runs the command once.
+    proxy.disarm();
+    let retry = send(&router, credit("a1", Some("k"), Some("app"), 7)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    assert!(send(&router, credit("a1", Some("k"), Some("app"), 7))
+        .await
+        .replayed());
+    assert_eq!(app.ledger_rows("a1").await, 1);
+}
+
+#[tokio::test]
+async fn a_claim_whose_connection_keeps_dying_ends_in_503_after_the_budget() {
+    let app = TestApp::new().await;
+    let proxy = Proxy::start(upstream(&app)).await;
+    let (router, pool) = credits_through(&app, &proxy, 4).await;
+    proxy.arm_always(b"pg_try_advisory_xact_lock", Cut::Before);
+    let reply = send(&router, credit("a1", Some("k"), Some("app"), 7)).await;
+    assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE, "{reply:?}");
+    assert_eq!(reply.problem_type(), "unavailable");
+    let detail = reply.json()["detail"].as_str().unwrap().to_owned();
+    // The bound: the transient budget (3) plus the pool's size (4), then it stops.
+    assert!(detail.contains("failed 7 times"), "{detail}");
+    assert!(detail.contains("nothing was committed"), "{detail}");
+    proxy.disarm();
+    drop(pool);
+    let retry = send(&router, credit("a1", Some("k"), Some("app"), 7)).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(app.ledger_rows("a1").await, 1);
+}
+
+fn upstream(app: &TestApp) -> std::net::SocketAddr {
+    std::net::SocketAddr::from(([127, 0, 0, 1], app.db.connect_options().get_port()))
 }

@@ -48,7 +48,7 @@ impl InboxError {
 
     /// The error `COMMIT` failed with: a lost connection leaves the outcome unknown.
     pub(crate) fn classify_commit(err: sqlx::Error) -> Self {
-        if is_connection_failure(&err) && !matches!(err, sqlx::Error::PoolTimedOut) {
+        if is_connection_lost(&err) {
             return Self::OutcomeUnknown(err);
         }
         Self::classify(err)
@@ -85,13 +85,34 @@ impl InboxError {
         }
     }
 
-    /// Why the transaction should be re-run, for a serialization failure or a deadlock.
+    /// Why running the message again from its claim is safe and may succeed, if it is: a
+    /// serialization failure or deadlock, a requested re-run, or a lost connection (before
+    /// or during `COMMIT`: the new claim finds the committed row and replays it, or finds the
+    /// key free and runs the message once). `None` for errors a re-run would meet again.
     pub fn retry_reason(&self) -> Option<RetryReason> {
         match self {
             Self::Transient(err) => RetryReason::of(err),
             Self::Rerun(reason) => Some(*reason),
-            _ => None,
+            Self::Unavailable(err) | Self::OutcomeUnknown(err) => {
+                is_connection_lost(err).then_some(RetryReason::ConnectionLost)
+            }
+            Self::ClaimMissing | Self::Database(_) => None,
         }
+    }
+}
+
+/// Whether `err` says the connection went away or could not be made: the server restarted,
+/// failed over or ended the session, or the network failed. Rerunning on another connection
+/// is the cure. (A pool that timed out is full or cannot connect, and was waited for already.)
+pub(crate) fn is_connection_lost(err: &sqlx::Error) -> bool {
+    use sqlx::Error as E;
+    match err {
+        E::Io(_) | E::Tls(_) | E::Protocol(_) | E::WorkerCrashed => true,
+        // connection exceptions; administrator, crash or startup shutdown
+        E::Database(db) => db.code().is_some_and(|code| {
+            code.starts_with("08") || matches!(&*code, "57P01" | "57P02" | "57P03")
+        }),
+        _ => false,
     }
 }
 
@@ -126,6 +147,10 @@ pub enum RetryReason {
     /// The handler asked for it
     /// ([`ClaimedMessage::request_retry`](crate::ClaimedMessage::request_retry)).
     Requested,
+    /// The connection was lost (the server restarted, failed over, ended the session, or the
+    /// network failed), before or during `COMMIT`. The next run claims on another connection,
+    /// and the claim decides: a committed run is replayed, an uncommitted one runs again.
+    ConnectionLost,
 }
 
 impl RetryReason {
@@ -135,6 +160,7 @@ impl RetryReason {
             Self::SerializationFailure => "serialization-failure",
             Self::Deadlock => "deadlock",
             Self::Requested => "requested",
+            Self::ConnectionLost => "connection-lost",
         }
     }
 
@@ -143,8 +169,13 @@ impl RetryReason {
     /// ```
     /// use tower_inbox::RetryReason;
     /// assert_eq!(RetryReason::of(&sqlx::Error::RowNotFound), None);
+    /// let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+    /// assert_eq!(RetryReason::of(&sqlx::Error::Io(reset)), Some(RetryReason::ConnectionLost));
     /// ```
     pub fn of(err: &sqlx::Error) -> Option<Self> {
+        if is_connection_lost(err) {
+            return Some(Self::ConnectionLost);
+        }
         match err {
             sqlx::Error::Database(db) => match db.code().as_deref() {
                 Some("40001") => Some(Self::SerializationFailure),

@@ -208,10 +208,13 @@ struct Command {
 enum Step {
     /// The answer for the client, with the outcome for the command's span.
     Answer(&'static str, Response<Body>),
-    /// A serialization failure, deadlock or requested re-run: everything rolled back.
+    /// A serialization failure, deadlock, requested re-run or lost connection: everything
+    /// rolled back, or (a connection lost during `COMMIT`) for the next claim to find out.
     Rerun {
         reason: RetryReason,
         ran_handler: bool,
+        /// The connection was lost while `COMMIT` was in flight.
+        commit_in_flight: bool,
     },
 }
 
@@ -229,21 +232,39 @@ impl Command {
             return Ok(response);
         }
         let retry = self.config.transient_retry;
+        // A lost connection reruns on another one. After a restart every idle connection of
+        // the pool is dead, and each fails (and is closed) once, however many a run meets in
+        // a row: such reruns get the pool's size on top of the bound.
+        let connection_budget = retry
+            .max_attempts()
+            .saturating_add(self.config.inbox.pool().options().get_max_connections());
         let mut services = Services::new(inner);
-        let mut attempt = 1;
+        let (mut attempt, mut conflicts, mut lost) = (1, 0, 0);
         loop {
-            let (reason, ran_handler) = match self.attempt(&mut services, attempt).await? {
-                Step::Answer(outcome, response) => {
-                    tracing::Span::current().record("outcome", outcome);
-                    return Ok(response);
+            let (reason, ran_handler, commit_in_flight) =
+                match self.attempt(&mut services, attempt).await? {
+                    Step::Answer(outcome, response) => {
+                        tracing::Span::current().record("outcome", outcome);
+                        return Ok(response);
+                    }
+                    Step::Rerun {
+                        reason,
+                        ran_handler,
+                        commit_in_flight,
+                    } => (reason, ran_handler, commit_in_flight),
+                };
+            if reason == RetryReason::ConnectionLost {
+                lost += 1;
+                if lost >= connection_budget {
+                    return Ok(self.connection_lost(lost, commit_in_flight));
                 }
-                Step::Rerun {
-                    reason,
-                    ran_handler,
-                } => (reason, ran_handler),
-            };
-            if attempt >= retry.max_attempts() {
-                return Ok(self.conflicts_exhausted(reason, attempt, ran_handler).await);
+            } else {
+                conflicts += 1;
+                if conflicts >= retry.max_attempts() {
+                    return Ok(self
+                        .conflicts_exhausted(reason, conflicts, ran_handler)
+                        .await);
+                }
             }
             m::count_with(
                 m::TRANSACTION_RETRIES,
@@ -251,7 +272,11 @@ impl Command {
                 "reason",
                 reason.as_str(),
             );
-            let delay = retry.delay(attempt);
+            let delay = retry.delay(if reason == RetryReason::ConnectionLost {
+                lost.min(retry.max_attempts())
+            } else {
+                conflicts
+            });
             tracing::info!(%reason, attempt, ?delay, "transaction rolled back; running it again");
             tokio::time::sleep(delay).await;
             attempt += 1;
@@ -343,6 +368,7 @@ impl Command {
                 Some(reason) => Step::Rerun {
                     reason,
                     ran_handler: false,
+                    commit_in_flight: false,
                 },
                 None => Step::Answer("database-error", database_problem(config, &err)),
             },
@@ -488,6 +514,7 @@ impl Command {
             return Ok(Step::Rerun {
                 reason,
                 ran_handler: true,
+                commit_in_flight: false,
             });
         }
         match config.outcome.decide(response.status()) {
@@ -582,10 +609,34 @@ impl Command {
                 Some(reason) => Step::Rerun {
                     reason,
                     ran_handler: true,
+                    commit_in_flight: err.may_have_committed(),
                 },
                 None => Step::Answer("commit-failed", database_problem(config, &err)),
             },
         })
+    }
+
+    /// The answer once every run lost its connection: the database is down, restarting or
+    /// unreachable. Whether the last run committed is unknown if its `COMMIT` was in flight.
+    fn connection_lost(&self, runs: u32, commit_in_flight: bool) -> Response<Body> {
+        tracing::error!(runs, "every run lost its database connection; giving up");
+        tracing::Span::current().record("outcome", "connection-lost");
+        let detail = if commit_in_flight {
+            format!(
+                "the connection to the database failed {runs} times, the last time while the \
+                 command was committing, so whether it committed is unknown; a retry with the \
+                 same key is safe: it replays the response if the command committed, or runs it \
+                 if it did not"
+            )
+        } else {
+            format!(
+                "the connection to the database failed {runs} times; nothing was committed, \
+                 retry with the same key"
+            )
+        };
+        Problem::new(ProblemKind::Unavailable, detail)
+            .retry_after(self.config.retry_after_secs)
+            .into_response()
     }
 
     /// The answer once every attempt hit a transient failure: nothing committed.

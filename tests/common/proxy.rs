@@ -21,6 +21,8 @@ pub enum Cut {
 struct Armed {
     pattern: Vec<u8>,
     cut: Cut,
+    /// Cut every connection that sends the pattern, not only the next one.
+    always: bool,
 }
 
 /// Forwards connections to `upstream` until dropped.
@@ -57,7 +59,22 @@ impl Proxy {
         *self.armed.lock().unwrap() = Some(Armed {
             pattern: pattern.to_vec(),
             cut,
+            always: false,
         });
+    }
+
+    /// Cuts every connection that sends a message containing `pattern`, until disarmed.
+    pub fn arm_always(&self, pattern: &[u8], cut: Cut) {
+        *self.armed.lock().unwrap() = Some(Armed {
+            pattern: pattern.to_vec(),
+            cut,
+            always: true,
+        });
+    }
+
+    /// Cuts nothing more.
+    pub fn disarm(&self) {
+        *self.armed.lock().unwrap() = None;
     }
 
     /// Waits (bounded) until an armed cut has happened.
@@ -90,6 +107,7 @@ async fn relay(
             let cut = {
                 let mut armed = armed.lock().unwrap();
                 match &*armed {
+                    Some(a) if a.always && contains(chunk, &a.pattern) => Some(a.cut),
                     Some(a) if contains(chunk, &a.pattern) => armed.take().map(|a| a.cut),
                     _ => None,
                 }
