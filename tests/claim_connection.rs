@@ -229,15 +229,24 @@ async fn a_waiting_claim_holds_no_connection_and_a_cancelled_one_leaves_nothing(
     let fingerprint = Fingerprint::of_bytes(b"payload");
     let held = claimed(&holder, "k", Duration::ZERO).await;
 
-    let mut waiting =
-        Box::pin(inbox.claim(identity("k"), fingerprint, "v1", Duration::from_secs(30)));
-    tokio::select! {
-        claim = &mut waiting => panic!("the claim waits for the holder: {claim:?}"),
-        () = common::wait_until_waiting(&inbox, 1) => {}
-    }
+    // The claim runs in a task of its own, so that it goes on polling while the test works.
+    let waiting = tokio::spawn({
+        let inbox = inbox.clone();
+        async move {
+            inbox
+                .claim(identity("k"), fingerprint, "v1", Duration::from_secs(30))
+                .await
+        }
+    });
+    common::wait_until_waiting(&inbox, 1).await;
     // It waits in this process: the pool's only connection is free for other work.
     assert_pool_connection_clean_but_for_holder(&app, &pool, 1).await;
-    drop(waiting);
+    assert!(
+        !waiting.is_finished(),
+        "the claim still waits for the holder"
+    );
+    waiting.abort();
+    assert!(waiting.await.unwrap_err().is_cancelled());
     assert_eq!(
         inbox.waiting_claims(),
         0,
