@@ -112,14 +112,7 @@ async fn a_connection_killed_during_the_handler_is_replaced_and_the_command_appl
             post(move |Path(account): Path<String>, mut tx: InboxTx| {
                 let (kill_once, admin) = (kill_once.clone(), admin.clone());
                 async move {
-                    sqlx::query(
-                        "insert into credit_account (account_id, balance) values ($1, 1)
-                         on conflict (account_id) do update set balance = credit_account.balance + 1",
-                    )
-                    .bind(&account)
-                    .execute(&mut *tx)
-                    .await
-                    .expect("write");
+                    common::add_one(&mut tx, &account).await;
                     if kill_once.swap(false, Ordering::SeqCst) {
                         let pid: i32 = sqlx::query_scalar("select pg_backend_pid()")
                             .fetch_one(&mut *tx)

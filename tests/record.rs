@@ -37,15 +37,7 @@ fn credit_router(pool: &sqlx::PgPool, sabotage: Arc<AtomicBool>, body_len: usize
             post(move |Path(account): Path<String>, mut tx: InboxTx| {
                 let sabotage = sabotage.clone();
                 async move {
-                    sqlx::query(
-                        "insert into credit_account (account_id, balance) values ($1, 1)
-                         on conflict (account_id)
-                         do update set balance = credit_account.balance + 1",
-                    )
-                    .bind(&account)
-                    .execute(&mut *tx)
-                    .await
-                    .expect("write");
+                    common::add_one(&mut tx, &account).await;
                     if sabotage.load(Ordering::SeqCst) {
                         let key = tx.identity().message_id().as_str().to_owned();
                         sqlx::query("delete from tower_inbox.consumer_inbox where message_id = $1")

@@ -39,15 +39,7 @@ fn router(
                 let (release, started, runs) = (release.clone(), started.clone(), runs.clone());
                 async move {
                     runs.fetch_add(1, Ordering::SeqCst);
-                    sqlx::query(
-                        "insert into credit_account (account_id, balance) values ($1, 1)
-                         on conflict (account_id)
-                         do update set balance = credit_account.balance + 1",
-                    )
-                    .bind(&account)
-                    .execute(&mut *tx)
-                    .await
-                    .expect("write");
+                    common::add_one(&mut tx, &account).await;
                     if account.starts_with("gated") {
                         started.notify_one();
                         release.notified().await;

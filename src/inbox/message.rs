@@ -15,7 +15,7 @@ use super::{
 use crate::fingerprint::Fingerprint;
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::metrics as m;
-use crate::outbox::{EffectId, Enqueued, OutboxMessage};
+use crate::outbox::{Enqueued, OutboxMessage};
 use crate::quarantine::{identity_item_key, QuarantineSource};
 use crate::schema::Schema;
 
@@ -105,16 +105,7 @@ impl ClaimedMessage {
     ) -> Result<Enqueued, InboxError> {
         let schema = self.inbox.schema().clone();
         let identity = self.identity.clone();
-        let effect_id = EffectId::for_message(&identity, effect_name);
-        crate::outbox::insert(
-            &schema,
-            self,
-            &effect_id,
-            effect_name,
-            Some(&identity),
-            message,
-        )
-        .await
+        crate::outbox::enqueue_in(&schema, self, &identity, effect_name, message).await
     }
 
     /// Asks for this transaction to be rolled back and run again from the start, as after a

@@ -73,6 +73,48 @@ macro_rules! failed_before {
     };
 }
 
+/// The values of a message's row as the claim and the failure record bind them: the
+/// identity (`$1`..`$4`), the fingerprint (`$5`) and the handler version (`$6`).
+macro_rules! message_values {
+    () => {
+        concat!(
+            utf8!("$1"),
+            ", ",
+            utf8!("$2"),
+            ", ",
+            utf8!("$3"),
+            ", $4, $5, ",
+            utf8!("$6")
+        )
+    };
+}
+
+/// The claim's statement: the key's advisory try-lock, then the insert of the identity
+/// (`$1`..`$4`), fingerprint (`$5`) and handler version (`$6`), with `$columns` and `$values`
+/// after them, unless the lock is held; a row comes back when it inserted, saying whether
+/// earlier attempts failed.
+macro_rules! claim {
+    ($columns:literal, $values:literal) => {
+        concat!(
+            "with lock as ( \
+                 select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free \
+             ) \
+             insert into tower_inbox.consumer_inbox \
+                 (consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
+                  handler_version",
+            $columns,
+            ") select ",
+            message_values!(),
+            $values,
+            " from lock where lock.free \
+             on conflict do nothing \
+             returning ",
+            failed_before!(),
+            " as failed"
+        )
+    };
+}
+
 /// Claims a message as the first statement of its transaction. Parameters: the identity
 /// (`$1`..`$4`), the fingerprint (`$5`), the handler version (`$6`) and the claim lock's
 /// two keys (`$7`, `$8`). A row comes back when it claimed, with `failed`: whether earlier
@@ -86,52 +128,16 @@ macro_rules! failed_before {
 ///
 /// Under `REPEATABLE READ` and `SERIALIZABLE`, meeting a row committed after the snapshot is
 /// a serialization failure (`40001`) instead, and the caller re-runs the transaction.
-pub(crate) const CLAIM: &str = concat!(
-    "with lock as ( \
-         select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free \
-     ) \
-     insert into tower_inbox.consumer_inbox \
-         (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version) \
-     select ",
-    utf8!("$1"),
-    ", ",
-    utf8!("$2"),
-    ", ",
-    utf8!("$3"),
-    ", $4, $5, ",
-    utf8!("$6"),
-    " from lock where lock.free \
-     on conflict do nothing \
-     returning ",
-    failed_before!(),
-    " as failed"
-);
+pub(crate) const CLAIM: &str = claim!("", "");
 
 /// Claims at commit: the transaction's last statement before `COMMIT` inserts the inbox row
 /// with the recorded response, so the claim and the record are one statement. As [`CLAIM`],
 /// with the response after the lock keys (`$9` status, `$10` header names, `$11` header
 /// values, `$12` body).
-pub(crate) const CLAIM_AT_COMMIT: &str = concat!(
-    "with lock as ( \
-         select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free \
-     ) \
-     insert into tower_inbox.consumer_inbox \
-         (consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
-          handler_version, processed_at, response_status, response_header_names, \
-          response_header_values, response_body) \
-     select ",
-    utf8!("$1"),
-    ", ",
-    utf8!("$2"),
-    ", ",
-    utf8!("$3"),
-    ", $4, $5, ",
-    utf8!("$6"),
-    ", pg_catalog.clock_timestamp(), $9, $10, $11, $12 from lock where lock.free \
-     on conflict do nothing \
-     returning ",
-    failed_before!(),
-    " as failed"
+pub(crate) const CLAIM_AT_COMMIT: &str = claim!(
+    ", processed_at, response_status, response_header_names, response_header_values, \
+     response_body",
+    ", pg_catalog.clock_timestamp(), $9, $10, $11, $12"
 );
 
 /// Records the outcome on the row this transaction claimed (`$5` status, `$6` header names,
@@ -191,13 +197,7 @@ pub(crate) const RECORD_FAILURE: &str = concat!(
              (consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
               handler_version, last_reason) \
          values (",
-    utf8!("$1"),
-    ", ",
-    utf8!("$2"),
-    ", ",
-    utf8!("$3"),
-    ", $4, $5, ",
-    utf8!("$6"),
+    message_values!(),
     ", ",
     utf8!("$7"),
     ") \

@@ -187,9 +187,20 @@ pub async fn enqueue<'c>(
     effect_name: &str,
     message: &OutboxMessage,
 ) -> Result<Enqueued, InboxError> {
+    enqueue_in(&Schema::default(), conn, identity, effect_name, message).await
+}
+
+/// [`enqueue`] in `schema`.
+pub(crate) async fn enqueue_in<'c>(
+    schema: &Schema,
+    conn: impl Executor<'c, Database = Postgres>,
+    identity: &MessageIdentity,
+    effect_name: &str,
+    message: &OutboxMessage,
+) -> Result<Enqueued, InboxError> {
     let effect_id = EffectId::for_message(identity, effect_name);
     insert(
-        &Schema::default(),
+        schema,
         conn,
         &effect_id,
         effect_name,
@@ -217,7 +228,7 @@ pub async fn enqueue_with_id<'c>(
     .await
 }
 
-pub(crate) async fn insert<'c>(
+async fn insert<'c>(
     schema: &Schema,
     conn: impl Executor<'c, Database = Postgres>,
     effect_id: &EffectId,
@@ -329,16 +340,7 @@ impl Outbox {
         effect_name: &str,
         message: &OutboxMessage,
     ) -> Result<Enqueued, InboxError> {
-        let effect_id = EffectId::for_message(identity, effect_name);
-        insert(
-            &self.schema,
-            conn,
-            &effect_id,
-            effect_name,
-            Some(identity),
-            message,
-        )
-        .await
+        enqueue_in(&self.schema, conn, identity, effect_name, message).await
     }
 
     /// [`enqueue_with_id`], in this outbox's schema.

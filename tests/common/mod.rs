@@ -243,6 +243,19 @@ pub async fn wait_until_waiting(inbox: &tower_inbox::Inbox, claims: usize) {
     );
 }
 
+/// Adds one to `account`'s balance (opening it at one) in the claimed transaction, as the
+/// test handlers' business write.
+pub async fn add_one(tx: &mut tower_inbox::InboxTx, account: &str) {
+    sqlx::query(
+        "insert into credit_account (account_id, balance) values ($1, 1)
+         on conflict (account_id) do update set balance = credit_account.balance + 1",
+    )
+    .bind(account)
+    .execute(&mut **tx)
+    .await
+    .expect("write");
+}
+
 /// `POST /accounts/{account}/credits` with `{"delta": delta}`.
 pub fn credit(
     account: &str,
@@ -364,14 +377,7 @@ pub fn gated_router(
         let (started, release, status) = (started.clone(), release.clone(), status.clone());
         let call = counter.fetch_add(1, Ordering::SeqCst);
         async move {
-            sqlx::query(
-                "insert into credit_account (account_id, balance) values ($1, 1)
-                 on conflict (account_id) do update set balance = credit_account.balance + 1",
-            )
-            .bind(&account)
-            .execute(&mut *tx)
-            .await
-            .expect("write");
+            add_one(&mut tx, &account).await;
             started.notify_one();
             release.notified().await;
             let status = *status.lock().unwrap();
