@@ -23,7 +23,8 @@
 //!   the one message that carries the `BEGIN` and the claim; its rollback is not timed, so
 //!   the inbox keeps its size). Reports p50 and p99 and their ratios to the empty inbox, per
 //!   round, and the inbox's buffer reads per request from `pg_statio_user_tables` (blocks
-//!   PostgreSQL had to read, not find in shared buffers).
+//!   PostgreSQL had to read, not find in shared buffers; a page added to the table counts
+//!   too), every connection's counts reported before each snapshot.
 //! - `purge`: first-seen credits at a steady `SCALE_PURGE_CONCURRENCY` requests in flight
 //!   while `tower_inbox::retention::Purger` deletes `SCALE_PURGE_ROWS` expired rows, against
 //!   the same load without a purge, for `SCALE_PURGE_BASE_SECS` before and after it. Each
@@ -492,9 +493,11 @@ async fn fill_inbox(ws: &Workspace, rows: u64, age: Duration) -> Result<Duration
     Ok(started.elapsed())
 }
 
-/// The inbox's blocks read (from the OS, not found in shared buffers) and found, heap and
-/// indexes together, so far.
+/// The inbox's blocks read (not found in shared buffers) and found, heap and indexes
+/// together, so far: every connection of the scenario's pool, which must be at rest, reports
+/// its counts first (see [`flush_statistics`]).
 async fn inbox_blocks(ws: &Workspace) -> Result<(i64, i64), sqlx::Error> {
+    flush_statistics(&ws.pool).await?;
     sqlx::query_as(
         "select coalesce(heap_blks_read, 0) + coalesce(idx_blks_read, 0),
                 coalesce(heap_blks_hit, 0) + coalesce(idx_blks_hit, 0)
@@ -504,6 +507,29 @@ async fn inbox_blocks(ws: &Workspace) -> Result<(i64, i64), sqlx::Error> {
     .bind(ws.schema.name())
     .fetch_one(&ws.pool)
     .await
+}
+
+/// Makes every connection of `pool` (all idle) report its pending statistics now.
+///
+/// A PostgreSQL 15 backend reports its counts as it goes idle, but not twice within a
+/// second: counts from within a second of its last report wait for its next transaction
+/// after that second, or for 10 s of idleness. Without this, what a pooled connection did
+/// just before a snapshot of `pg_statio_user_tables` would be counted after it: the bulk
+/// fill's new pages (a page added to a table counts as read) landed in the measured
+/// requests' blocks read.
+async fn flush_statistics(pool: &PgPool) -> Result<(), sqlx::Error> {
+    // Held together, so that each acquire takes another of the open connections.
+    let mut connections = Vec::new();
+    for _ in 0..pool.size() {
+        connections.push(pool.acquire().await?);
+    }
+    for conn in &mut connections {
+        // The backend reports before it answers ready for the next query.
+        sqlx::query("select pg_stat_force_next_flush()")
+            .execute(&mut **conn)
+            .await?;
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -587,7 +613,6 @@ async fn size(config: &Config, db: &Database) -> Result<(), BoxError> {
             .execute(&s.ws.pool)
             .await?;
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await; // statistics are sent every second
     for s in &inboxes {
         blocks_before.push(inbox_blocks(&s.ws).await?);
     }
@@ -609,7 +634,6 @@ async fn size(config: &Config, db: &Database) -> Result<(), BoxError> {
             }
         }
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
 
     println!("\n## size: first-seen latency by inbox size ({} rounds × {} requests per size and probe, interleaved)", config.rounds, config.samples);
     println!(
@@ -644,7 +668,7 @@ async fn size(config: &Config, db: &Database) -> Result<(), BoxError> {
             );
         }
     }
-    println!("(ratios: median over rounds of each round's percentile ÷ the empty inbox's in the same round, (min–max); blocks read: inbox heap and index blocks not found in shared buffers, per request of both probes)");
+    println!("(ratios: median over rounds of each round's percentile ÷ the empty inbox's in the same round, (min–max); blocks read: inbox heap and index blocks not found in shared buffers or added, per request of both probes)");
     for s in inboxes {
         s.ws.pool.close().await;
     }
