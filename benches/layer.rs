@@ -68,7 +68,7 @@ use criterion::{Criterion, SamplingMode, Throughput};
 use sqlx::PgPool;
 use tokio::runtime::Runtime;
 use tokio::task::JoinSet;
-use tower_inbox::{ClaimMode, InboxLayerBuilder, ReplayCache};
+use tower_inbox::{ClaimMode, InboxLayerBuilder, ReplayCache, Schema};
 
 use support::{app, call, BoxError, Credit};
 
@@ -180,7 +180,9 @@ impl Bench {
             let pool = support::pool_options(POOL_SIZE)
                 .connect_with(options)
                 .await?;
-            support::prepare(&pool, "layer").await?;
+            // The layer's default schema, `tower_inbox`; the example's tables on the default
+            // `search_path` (`public`).
+            support::prepare(&pool, &Schema::default(), "layer").await?;
             let routes = |configure: fn(InboxLayerBuilder) -> InboxLayerBuilder| {
                 let layer = configure(app::inbox_layer(pool.clone())).build()?;
                 Ok::<_, BoxError>(app::routes(pool.clone(), layer))
@@ -220,7 +222,7 @@ impl Bench {
     /// `conflict` send again, so that every group starts from the same state.
     fn reset(&self) {
         self.runtime.block_on(async {
-            support::reset_tables(&self.pool)
+            support::reset_tables(&self.pool, &Schema::default())
                 .await
                 .expect("reset the tables");
             for start in (0..COMMITTED_KEYS).step_by(CONCURRENCY as usize) {

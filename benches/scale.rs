@@ -16,13 +16,15 @@
 //!
 //! - `size`: first-seen latency with an inbox of 0, `SCALE_ROWS`/10 and `SCALE_ROWS`
 //!   processed rows (bulk-inserted with one `INSERT ... SELECT generate_series`, then `VACUUM
-//!   ANALYZE`). Each size has its own schema (its own `consumer_inbox`), so that the sizes
-//!   can be interleaved request by request, which cancels the machine's drift. Two probes per
-//!   size: a credit through the layer (in-process, as `benches/layer.rs`), and the claim
-//!   alone (`Inbox::claim`, that is the pool acquire and the one message that carries the
-//!   `BEGIN` and the claim; its rollback is not timed, so the inbox keeps its size). Reports p50 and p99 and their
-//!   ratios to the empty inbox, per round, and the inbox's buffer reads per request from
-//!   `pg_statio_user_tables` (blocks PostgreSQL had to read, not find in shared buffers).
+//!   ANALYZE`). Each size has its own schema (its own `consumer_inbox`; see Database), so
+//!   that the sizes can be interleaved request by request, which cancels the machine's
+//!   drift. Two probes per size: a credit through the layer (in-process, as
+//!   `benches/layer.rs`), and the claim alone (`Inbox::claim`, that is the pool acquire and
+//!   the one message that carries the `BEGIN` and the claim; its rollback is not timed, so
+//!   the inbox keeps its size). Reports p50 and p99 and their ratios to the empty inbox, per
+//!   round, and the inbox's buffer reads per request from `pg_statio_user_tables` (blocks
+//!   PostgreSQL had to read, not find in shared buffers; a page added to the table counts
+//!   too), every connection's counts reported before each snapshot.
 //! - `purge`: first-seen credits at a steady `SCALE_PURGE_CONCURRENCY` requests in flight
 //!   while `tower_inbox::retention::Purger` deletes `SCALE_PURGE_ROWS` expired rows, against
 //!   the same load without a purge, for `SCALE_PURGE_BASE_SECS` before and after it. Each
@@ -59,10 +61,21 @@
 //!
 //! Found like the tests find theirs: `DATABASE_URL`, else the server on `127.0.0.1:5432`,
 //! else a throwaway cluster; the database `tower_inbox_scale` is created when needed (apart
-//! from the layer bench's, so the two never truncate each other's tables). Each scenario
-//! works in schemas of its own (`scale_rows_<n>`, `scale_purge`, `scale_one_key`,
-//! `scale_hold`), which it empties first. When `DATABASE_URL` names a database, those
-//! schemas are created in it.
+//! from the layer bench's, so the two never truncate each other's tables). When
+//! `DATABASE_URL` names a database, the bench works in that one: **it drops and recreates
+//! the schemas below in it.**
+//!
+//! Each scenario works in a schema of its own: `scale_rows_<n>` (one per size of `size`),
+//! `scale_purge`, `scale_one_key` and `scale_hold`. It drops the schema with whatever an
+//! earlier run left there, and `tower_inbox::migrate_schema` creates it afresh with the
+//! inbox tables; the layer (`InboxLayerBuilder::schema`), the claim probe
+//! (`Inbox::with_schema`) and the purger (`PurgerBuilder::schema`) are given it as their
+//! [`Schema`]. The scenario's pool has that schema alone as its `search_path`, so the
+//! example's tables (`credit_account`, `credit_ledger`), which name no schema, are created
+//! there and the handlers find them there: every scenario, and every size, has its own
+//! inbox, accounts and ledger, and nothing is written to `tower_inbox` or `public`. The
+//! bench's own statements (the bulk insert, `VACUUM`, `ANALYZE`, the buffer counts, the
+//! one-key check) name the schema. The schemas stay after the run, to be looked into.
 
 #[allow(dead_code)]
 mod support;
@@ -83,7 +96,9 @@ use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::Barrier;
 use tokio::task::JoinSet;
 use tower_inbox::retention::{PurgedTable, Purger, RetentionPolicy};
-use tower_inbox::{Claim, Fingerprint, Inbox, MessageIdentity, MessageKey, Producer};
+use tower_inbox::{
+    Claim, ConfigError, Fingerprint, Inbox, MessageIdentity, MessageKey, Producer, Schema,
+};
 
 use support::{app, call, BoxError, Credit, PRODUCER};
 
@@ -399,75 +414,131 @@ impl Database {
         })
     }
 
-    /// `options` for a pool working in `schema` (created with the inbox migrations and the
-    /// example's tables, all empty but for the accounts), of at most `size` connections.
-    async fn schema(&self, schema: &str, options: PgPoolOptions) -> Result<PgPool, BoxError> {
+    /// A fresh schema `name` for one scenario (or one size of `size`), and a pool with
+    /// `options` whose `search_path` is that schema alone (see the module docs, Database).
+    /// The schema is dropped first with whatever an earlier run left there (tables of an
+    /// older layout would make the migrations fail), so every run starts from the empty
+    /// tables and the opened accounts.
+    async fn workspace(&self, name: &str, options: PgPoolOptions) -> Result<Workspace, BoxError> {
+        let schema = Schema::new(name)?;
         let mut admin = PgConnection::connect_with(&self.options).await?;
-        sqlx::raw_sql(&format!("create schema if not exists {schema}"))
+        sqlx::raw_sql(&format!("drop schema if exists \"{name}\" cascade"))
             .execute(&mut admin)
             .await?;
         admin.close().await?;
         let pool = options
-            .connect_with(self.options.clone().options([("search_path", schema)]))
+            .connect_with(
+                self.options
+                    .clone()
+                    .options([("search_path", format!("\"{name}\""))]),
+            )
             .await?;
-        support::prepare(&pool, &format!("scale ({schema})")).await?;
-        support::reset_tables(&pool).await?;
-        Ok(pool)
+        support::prepare(&pool, &schema, &format!("scale ({name})")).await?;
+        support::reset_tables(&pool, &schema).await?;
+        Ok(Workspace { schema, pool })
+    }
+}
+
+/// One scenario's schema, and a pool whose `search_path` is that schema.
+struct Workspace {
+    schema: Schema,
+    pool: PgPool,
+}
+
+impl Workspace {
+    /// `name`, a table of this schema, qualified.
+    fn table(&self, name: &str) -> String {
+        support::table(&self.schema, name)
+    }
+
+    /// The example's routes behind its inbox layer, with the inbox in this schema.
+    fn layered_router(&self) -> Result<Router, ConfigError> {
+        let layer = app::inbox_layer(self.pool.clone())
+            .schema(self.schema.clone())
+            .build()?;
+        Ok(app::routes(self.pool.clone(), layer))
     }
 }
 
 /// Adds `rows` processed rows to the inbox in one statement, each like a recorded credit
 /// (random-looking keys, a JSON body of about 50 bytes), received `age` ago or a little
 /// earlier (one row per millisecond, oldest first), then vacuums and analyzes it.
-async fn fill_inbox(pool: &PgPool, rows: u64, age: Duration) -> Result<Duration, BoxError> {
+async fn fill_inbox(ws: &Workspace, rows: u64, age: Duration) -> Result<Duration, BoxError> {
+    let inbox = ws.table("consumer_inbox");
     let started = Instant::now();
     if rows > 0 {
-        sqlx::query(
-            "insert into tower_inbox.consumer_inbox
+        sqlx::query(&format!(
+            "insert into {inbox}
                  (consumer_name, producer_name, tenant_id, message_id, payload_sha256,
                   handler_version, received_at, processed_at, response_status,
                   response_header_names, response_header_values, response_body)
              select $1, $2, '', 'fill-' || md5(g::text), md5(g::text) || md5(g::text), '',
                     t, t, 201, array['content-type'], array[convert_to('application/json', 'UTF8')],
-                    convert_to(format('{\"account_id\":\"acct-%s\",\"balance\":%s,\"delta\":1}',
+                    convert_to(format('{{\"account_id\":\"acct-%s\",\"balance\":%s,\"delta\":1}}',
                                       g % 10000, g), 'UTF8')
              from generate_series(1, $3) g,
-                  lateral (select now() - make_interval(secs => $4 + ($3 - g) / 1000.0)) r(t)",
-        )
+                  lateral (select now() - make_interval(secs => $4 + ($3 - g) / 1000.0)) r(t)"
+        ))
         .bind(app::CONSUMER)
         .bind(PRODUCER)
         .bind(i64::try_from(rows)?)
         .bind(age.as_secs_f64())
-        .execute(pool)
+        .execute(&ws.pool)
         .await?;
     }
     // A statement of its own: VACUUM cannot run in the implicit transaction of several.
-    sqlx::raw_sql("vacuum analyze consumer_inbox")
-        .execute(pool)
+    sqlx::raw_sql(&format!("vacuum analyze {inbox}"))
+        .execute(&ws.pool)
         .await?;
     Ok(started.elapsed())
 }
 
-/// The inbox's blocks read (from the OS, not found in shared buffers) and found, heap and
-/// indexes together, so far.
-async fn inbox_blocks(pool: &PgPool) -> Result<(i64, i64), sqlx::Error> {
+/// The inbox's blocks read (not found in shared buffers) and found, heap and indexes
+/// together, so far: every connection of the scenario's pool, which must be at rest, reports
+/// its counts first (see [`flush_statistics`]).
+async fn inbox_blocks(ws: &Workspace) -> Result<(i64, i64), sqlx::Error> {
+    flush_statistics(&ws.pool).await?;
     sqlx::query_as(
         "select coalesce(heap_blks_read, 0) + coalesce(idx_blks_read, 0),
                 coalesce(heap_blks_hit, 0) + coalesce(idx_blks_hit, 0)
          from pg_statio_user_tables
-         where relname = 'consumer_inbox' and schemaname = current_schema()",
+         where relname = 'consumer_inbox' and schemaname = $1",
     )
-    .fetch_one(pool)
+    .bind(ws.schema.name())
+    .fetch_one(&ws.pool)
     .await
+}
+
+/// Makes every connection of `pool` (all idle) report its pending statistics now.
+///
+/// A PostgreSQL 15 backend reports its counts as it goes idle, but not twice within a
+/// second: counts from within a second of its last report wait for its next transaction
+/// after that second, or for 10 s of idleness. Without this, what a pooled connection did
+/// just before a snapshot of `pg_statio_user_tables` would be counted after it: the bulk
+/// fill's new pages (a page added to a table counts as read) landed in the measured
+/// requests' blocks read.
+async fn flush_statistics(pool: &PgPool) -> Result<(), sqlx::Error> {
+    // Held together, so that each acquire takes another of the open connections.
+    let mut connections = Vec::new();
+    for _ in 0..pool.size() {
+        connections.push(pool.acquire().await?);
+    }
+    for conn in &mut connections {
+        // The backend reports before it answers ready for the next query.
+        sqlx::query("select pg_stat_force_next_flush()")
+            .execute(&mut **conn)
+            .await?;
+    }
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------
 // size
 
-/// One inbox size: its pool, routes and claim probe.
+/// One inbox size: its schema and pool, routes and claim probe.
 struct SizedInbox {
     rows: u64,
-    pool: PgPool,
+    ws: Workspace,
     router: Router,
     inbox: Inbox,
     layered: Vec<Vec<Duration>>,
@@ -509,16 +580,16 @@ async fn size(config: &Config, db: &Database) -> Result<(), BoxError> {
     };
     let mut inboxes = Vec::new();
     for &rows in &sizes {
-        let pool = db
-            .schema(&format!("scale_rows_{rows}"), support::pool_options(4))
+        let ws = db
+            .workspace(&format!("scale_rows_{rows}"), support::pool_options(4))
             .await?;
-        let took = fill_inbox(&pool, rows, Duration::from_secs(3600)).await?;
+        let took = fill_inbox(&ws, rows, Duration::from_secs(3600)).await?;
         eprintln!("size: {rows} rows inserted and vacuumed in {took:.1?}");
-        let router = app::routes(pool.clone(), app::inbox_layer(pool.clone()).build()?);
+        let router = ws.layered_router()?;
         inboxes.push(SizedInbox {
             rows,
-            inbox: Inbox::new(pool.clone()),
-            pool,
+            inbox: Inbox::new(ws.pool.clone()).with_schema(ws.schema.clone()),
+            ws,
             router,
             layered: Vec::new(),
             claims: Vec::new(),
@@ -538,13 +609,12 @@ async fn size(config: &Config, db: &Database) -> Result<(), BoxError> {
         // plans cached while the empty inbox was analyzed at 0 rows stay sequential scans as
         // it grows (a primary-key update that reads every row), and the empty inbox would
         // measure slower than the large ones; ANALYZE invalidates those plans.
-        sqlx::raw_sql("analyze consumer_inbox")
-            .execute(&s.pool)
+        sqlx::raw_sql(&format!("analyze {}", s.ws.table("consumer_inbox")))
+            .execute(&s.ws.pool)
             .await?;
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await; // statistics are sent every second
     for s in &inboxes {
-        blocks_before.push(inbox_blocks(&s.pool).await?);
+        blocks_before.push(inbox_blocks(&s.ws).await?);
     }
     for round in 0..u64::from(config.rounds) {
         eprintln!("size: round {}/{}", round + 1, config.rounds);
@@ -564,7 +634,6 @@ async fn size(config: &Config, db: &Database) -> Result<(), BoxError> {
             }
         }
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
 
     println!("\n## size: first-seen latency by inbox size ({} rounds × {} requests per size and probe, interleaved)", config.rounds, config.samples);
     println!(
@@ -573,7 +642,7 @@ async fn size(config: &Config, db: &Database) -> Result<(), BoxError> {
     );
     let empty = &inboxes[0];
     for (s, before) in inboxes.iter().zip(&blocks_before) {
-        let after = inbox_blocks(&s.pool).await?;
+        let after = inbox_blocks(&s.ws).await?;
         let requests = 2 * u64::from(config.rounds) * config.samples;
         let read_per_request = (after.0 - before.0) as f64 / requests as f64;
         for (probe, rounds, base) in [
@@ -599,9 +668,9 @@ async fn size(config: &Config, db: &Database) -> Result<(), BoxError> {
             );
         }
     }
-    println!("(ratios: median over rounds of each round's percentile ÷ the empty inbox's in the same round, (min–max); blocks read: inbox heap and index blocks not found in shared buffers, per request of both probes)");
+    println!("(ratios: median over rounds of each round's percentile ÷ the empty inbox's in the same round, (min–max); blocks read: inbox heap and index blocks not found in shared buffers or added, per request of both probes)");
     for s in inboxes {
-        s.pool.close().await;
+        s.ws.pool.close().await;
     }
     Ok(())
 }
@@ -612,13 +681,13 @@ async fn size(config: &Config, db: &Database) -> Result<(), BoxError> {
 async fn purge(config: &Config, db: &Database) -> Result<(), BoxError> {
     let workers = config.purge_concurrency as usize;
     // The purger shares the pool with the requests, as in examples/credits.rs.
-    let pool = db
-        .schema(
+    let ws = db
+        .workspace(
             "scale_purge",
             support::pool_options(config.purge_concurrency + 2),
         )
         .await?;
-    let router = app::routes(pool.clone(), app::inbox_layer(pool.clone()).build()?);
+    let router = ws.layered_router()?;
     let probe = Probe {
         stream: STREAM_PURGE,
         baseline: false,
@@ -629,7 +698,8 @@ async fn purge(config: &Config, db: &Database) -> Result<(), BoxError> {
         .retry_horizon(DAY)
         .safety_margin(DAY)
         .build()?;
-    let purger = Purger::builder(pool.clone())
+    let purger = Purger::builder(ws.pool.clone())
+        .schema(ws.schema.clone())
         .inbox(policy)
         .batch_size(config.purge_batch)
         .pause_between_batches(config.purge_pause)
@@ -661,8 +731,8 @@ async fn purge(config: &Config, db: &Database) -> Result<(), BoxError> {
     );
     let (mut p50s, mut p99s) = (Vec::new(), Vec::new());
     for round in 1..=config.purge_rounds {
-        support::reset_tables(&pool).await?;
-        fill_inbox(&pool, config.purge_rows, 30 * DAY).await?;
+        support::reset_tables(&ws.pool, &ws.schema).await?;
+        fill_inbox(&ws, config.purge_rows, 30 * DAY).await?;
         // Unmeasured warm-up, then the load alone, the load during the purge, the load alone.
         closed_loop(&router, probe, workers, &load(200)).await?;
         let timed = |feed: Arc<Feed>, secs: Duration| {
@@ -725,7 +795,7 @@ async fn purge(config: &Config, db: &Database) -> Result<(), BoxError> {
         Spread::of(p99s),
         config.purge_base
     );
-    pool.close().await;
+    ws.pool.close().await;
     Ok(())
 }
 
@@ -743,7 +813,7 @@ struct OneKeyOutcome {
 /// protocol: one commit, every other answer the replayed response or 409 in-progress.
 async fn one_key_trial(
     router: &Router,
-    pool: &PgPool,
+    ws: &Workspace,
     copies: u32,
     n: u64,
 ) -> Result<(Duration, OneKeyOutcome), BoxError> {
@@ -802,13 +872,15 @@ async fn one_key_trial(
             .into());
         }
     }
-    let (ledger, balance): (i64, Option<i64>) = sqlx::query_as(
-        "select (select count(*) from credit_ledger where message_id = $1),
-                (select balance from credit_account where account_id = $2)",
-    )
+    let (ledger, balance): (i64, Option<i64>) = sqlx::query_as(&format!(
+        "select (select count(*) from {} where message_id = $1),
+                (select balance from {} where account_id = $2)",
+        ws.table("credit_ledger"),
+        ws.table("credit_account"),
+    ))
     .bind(&credit.key)
     .bind(format!("acct-{}", credit.account))
-    .fetch_one(pool)
+    .fetch_one(&ws.pool)
     .await?;
     if ledger != 1 || balance != Some(1) {
         return Err(format!(
@@ -845,16 +917,16 @@ async fn distinct_keys_trial(router: &Router, copies: u32, n: u64) -> Result<Dur
 async fn one_key(config: &Config, db: &Database) -> Result<(), BoxError> {
     let copies = config.one_key;
     // One connection per copy: a duplicate waiting for the original holds one.
-    let pool = db
-        .schema("scale_one_key", support::pool_options(copies + 2))
+    let ws = db
+        .workspace("scale_one_key", support::pool_options(copies + 2))
         .await?;
-    let router = app::routes(pool.clone(), app::inbox_layer(pool.clone()).build()?);
+    let router = ws.layered_router()?;
     let (mut same, mut distinct, mut ratios) = (Vec::new(), Vec::new(), Vec::new());
     let mut outcome = OneKeyOutcome::default();
     // Trial 0 warms the pool up and is not counted.
     for trial in 0..=u64::from(config.one_key_trials) {
         let base = distinct_keys_trial(&router, copies, trial).await?;
-        let (took, answers) = one_key_trial(&router, &pool, copies, trial).await?;
+        let (took, answers) = one_key_trial(&router, &ws, copies, trial).await?;
         if trial > 0 {
             same.push(took);
             distinct.push(base);
@@ -881,7 +953,7 @@ async fn one_key(config: &Config, db: &Database) -> Result<(), BoxError> {
         median(distinct).as_secs_f64() * 1e3,
         Spread::of(ratios)
     );
-    pool.close().await;
+    ws.pool.close().await;
     Ok(())
 }
 
@@ -1009,11 +1081,11 @@ async fn measure_hold(
 async fn hold(config: &Config, db: &Database) -> Result<(), BoxError> {
     let meter = Arc::new(HoldMeter::default());
     let size = HOLD_CONCURRENCY as u32 + 8;
-    let pool = db
-        .schema("scale_hold", metered_pool_options(size, &meter))
+    let ws = db
+        .workspace("scale_hold", metered_pool_options(size, &meter))
         .await?;
-    let layered_router = app::routes(pool.clone(), app::inbox_layer(pool.clone()).build()?);
-    let baseline_router = app::baseline_routes(pool.clone());
+    let layered_router = ws.layered_router()?;
+    let baseline_router = app::baseline_routes(ws.pool.clone());
     let cases = [
         (
             "baseline",
@@ -1066,7 +1138,8 @@ async fn hold(config: &Config, db: &Database) -> Result<(), BoxError> {
         for (m, &(_, workers)) in modes.iter().enumerate() {
             let start = (round * 2 + m as u64) * count;
             for (c, (_, router, probe)) in cases.iter().enumerate() {
-                let f = measure_hold(router, &pool, &meter, *probe, workers, start, count).await?;
+                let f =
+                    measure_hold(router, &ws.pool, &meter, *probe, workers, start, count).await?;
                 figures[m][c].push(f);
             }
         }
@@ -1109,7 +1182,7 @@ async fn hold(config: &Config, db: &Database) -> Result<(), BoxError> {
         }
     }
     println!("(hold: mean acquire-to-release time per request, from the pool hooks; connections busy on average = req/s × hold; ratio: median over rounds of hold ÷ the baseline's in the same round, (min–max))");
-    pool.close().await;
+    ws.pool.close().await;
     Ok(())
 }
 

@@ -19,6 +19,7 @@ use axum::Router;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 use tower::ServiceExt;
+use tower_inbox::Schema;
 
 pub type BoxError = Box<dyn Error + Send + Sync>;
 
@@ -90,23 +91,37 @@ pub async fn connect_options(name: &str) -> Result<PgConnectOptions, BoxError> {
     Ok(url.parse()?)
 }
 
-/// Runs the inbox migrations and creates the example's tables, then names the database on
-/// stderr, so that a run says where it wrote.
-pub async fn prepare(pool: &PgPool, bench: &str) -> Result<(), BoxError> {
-    app::prepare(pool).await?;
+/// Runs the inbox migrations into `schema` and creates the example's tables where the pool's
+/// `search_path` puts them (see `app::prepare_schema`), then names the database and the
+/// schema on stderr, so that a run says where it wrote.
+pub async fn prepare(pool: &PgPool, schema: &Schema, bench: &str) -> Result<(), BoxError> {
+    app::prepare_schema(pool, schema).await?;
     let database: String = sqlx::query_scalar("select current_database()")
         .fetch_one(pool)
         .await?;
-    eprintln!("{bench} bench: database {database}");
+    eprintln!("{bench} bench: database {database}, inbox schema {schema}");
     Ok(())
 }
 
-/// Empties the example's and the inbox's tables and opens [`ACCOUNTS`] accounts at balance
-/// 0, so that every measurement starts from the same state.
-pub async fn reset_tables(pool: &PgPool) -> Result<(), sqlx::Error> {
+/// `table` of `schema`, named as the crate names it (`"tower_inbox".consumer_inbox`).
+pub fn table(schema: &Schema, table: &str) -> String {
+    format!("\"{}\".{table}", schema.name())
+}
+
+/// Empties the inbox's tables in `schema` and the example's (where the pool's `search_path`
+/// finds them, as the handlers do) and opens [`ACCOUNTS`] accounts at balance 0, so that
+/// every measurement starts from the same state.
+pub async fn reset_tables(pool: &PgPool, schema: &Schema) -> Result<(), sqlx::Error> {
+    let inbox_tables = [
+        "consumer_inbox",
+        "consumer_inbox_failure",
+        "inbox_quarantine",
+        "message_outbox",
+    ]
+    .map(|name| table(schema, name))
+    .join(", ");
     sqlx::raw_sql(&format!(
-        "truncate credit_ledger, credit_account, tower_inbox.consumer_inbox, tower_inbox.consumer_inbox_failure,
-                  tower_inbox.inbox_quarantine, tower_inbox.message_outbox restart identity;
+        "truncate credit_ledger, credit_account, {inbox_tables} restart identity;
          insert into credit_account (account_id, balance)
              select 'acct-' || g, 0 from generate_series(0, {}) g;
          analyze credit_account;",

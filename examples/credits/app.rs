@@ -17,6 +17,7 @@ use tower_inbox::outbox::OutboxMessage;
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::{
     ConfigError, InboxLayer, InboxLayerBuilder, InboxTx, MessageIdentity, MessageKey, Producer,
+    Schema,
 };
 
 /// The consumer name the credits service claims commands under.
@@ -30,9 +31,20 @@ pub const CONSUMER: &str = "credits";
 /// prove it.
 const SCHEMA: &str = include_str!("schema.sql");
 
-/// Runs the inbox migrations and creates the example's tables.
+/// Runs the inbox migrations into the default schema and creates the example's tables.
 pub async fn prepare(pool: &PgPool) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    tower_inbox::migrate(pool).await?;
+    prepare_schema(pool, &Schema::default()).await
+}
+
+/// Runs the inbox migrations into `schema` (build the layer with the same
+/// [`schema`](InboxLayerBuilder::schema)) and creates the example's tables, which name no
+/// schema: they go where the pool's `search_path` puts them, `public` unless it says
+/// otherwise, and the handlers find them there.
+pub async fn prepare_schema(
+    pool: &PgPool,
+    schema: &Schema,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    tower_inbox::migrate_schema(pool, schema).await?;
     // One advisory lock so that two instances starting together do not race on CREATE.
     let mut tx = pool.begin().await?;
     sqlx::query("select pg_advisory_xact_lock(7367245)")
