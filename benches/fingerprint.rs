@@ -14,7 +14,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use serde_json::{json, Value};
-use tower_inbox::{CommandPayload, FingerprintStrategy};
+use tower_inbox::fingerprint::{CommandPayload, FingerprintStrategy};
 
 /// The body sizes measured, with their names.
 const SIZES: [(&str, usize); 2] = [("1KiB", 1024), ("64KiB", 64 * 1024)];

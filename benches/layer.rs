@@ -68,7 +68,10 @@ use criterion::{Criterion, SamplingMode, Throughput};
 use sqlx::PgPool;
 use tokio::runtime::Runtime;
 use tokio::task::JoinSet;
-use tower_inbox::{ClaimMode, InboxLayerBuilder, ReplayCache, Schema};
+use tower_inbox::inbox::ClaimMode;
+use tower_inbox::middleware::ReplayCache;
+use tower_inbox::schema::Schema;
+use tower_inbox::InboxLayerBuilder;
 
 use support::{app, call, BoxError, Credit};
 

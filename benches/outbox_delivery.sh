@@ -64,7 +64,7 @@ if [ -z "${DATABASE_URL:-}" ]; then
 fi
 export DATABASE_URL
 
-cargo build --release --example credits
+cargo build --release --example credits --features outbox-http
 # shellcheck source=benches/support/credits.sh
 source benches/support/credits.sh
 

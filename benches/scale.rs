@@ -67,7 +67,7 @@
 //!
 //! Each scenario works in a schema of its own: `scale_rows_<n>` (one per size of `size`),
 //! `scale_purge`, `scale_one_key` and `scale_hold`. It drops the schema with whatever an
-//! earlier run left there, and `tower_inbox::migrate_schema` creates it afresh with the
+//! earlier run left there, and `tower_inbox::schema::migrate_schema` creates it afresh with the
 //! inbox tables; the layer (`InboxLayerBuilder::schema`), the claim probe
 //! (`Inbox::with_schema`) and the purger (`PurgerBuilder::schema`) are given it as their
 //! [`Schema`]. The scenario's pool has that schema alone as its `search_path`, so the
@@ -95,10 +95,12 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::Barrier;
 use tokio::task::JoinSet;
+use tower_inbox::fingerprint::Fingerprint;
+use tower_inbox::inbox::{Claim, Inbox};
+use tower_inbox::middleware::ConfigError;
 use tower_inbox::retention::{PurgedTable, Purger, RetentionPolicy};
-use tower_inbox::{
-    Claim, ConfigError, Fingerprint, Inbox, MessageIdentity, MessageKey, Producer, Schema,
-};
+use tower_inbox::schema::Schema;
+use tower_inbox::{MessageIdentity, MessageKey, Producer};
 
 use support::{app, call, BoxError, Credit, PRODUCER};
 

@@ -28,15 +28,17 @@ mod app;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use sqlx::postgres::PgPoolOptions;
+use tower_inbox::inbox::ClaimMode;
 use tower_inbox::metrics::StatsTask;
+use tower_inbox::middleware::ReplayCache;
+#[cfg(feature = "outbox-http")]
 use tower_inbox::outbox::{Dispatcher, HttpTransport};
 use tower_inbox::retention::{Purger, RetentionPolicy};
-use tower_inbox::{ClaimMode, InboxLayer, ReplayCache};
+use tower_inbox::InboxLayer;
 use tracing_subscriber::EnvFilter;
 
 /// The example's inbox layer, with the opt-in speed settings taken from the environment.
-fn layer(pool: &sqlx::PgPool) -> Result<InboxLayer, Box<dyn std::error::Error + Send + Sync>> {
+fn layer(pool: &sqlx::PgPool) -> Result<InboxLayer, Error> {
     let on = |name: &str| std::env::var(name).is_ok_and(|v| v == "1");
     let mut builder = app::inbox_layer(pool.clone());
     if on("CREDITS_CLAIM_AT_COMMIT") {
@@ -56,41 +58,47 @@ fn layer(pool: &sqlx::PgPool) -> Result<InboxLayer, Box<dyn std::error::Error + 
     Ok(builder.build()?)
 }
 
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// A startup failure is one line naming the culprit, then exit status 1.
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+async fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .init();
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("credits: {err}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
 
+async fn run() -> Result<(), Error> {
     let bind: SocketAddr = std::env::var("BIND_ADDR")
         .unwrap_or_else(|_| "127.0.0.1:3000".to_owned())
         .parse()
-        .map_err(|e| format!("BIND_ADDR: {e}"))?;
-    let database_url = match std::env::var("DATABASE_URL") {
-        Ok(url) => url,
-        Err(_) => tower_inbox_testdb::app_database_url("tower_inbox_credits").await?,
-    };
+        .map_err(|e| format!("BIND_ADDR is not an address like 127.0.0.1:3000: {e}"))?;
+    // Bound before anything touches the database: a taken port changes nothing there.
+    let listener = tokio::net::TcpListener::bind(bind)
+        .await
+        .map_err(|e| format!("cannot listen on {bind} (BIND_ADDR): {e}"))?;
+    let pool = app::connect(32).await?;
 
-    // Each in-flight command holds one connection from the claim to the commit (duplicates
-    // waiting for it hold none): size the pool for the concurrency you serve.
-    //
-    // No ping before each acquire (sqlx's default sends one, a round trip per request): a
-    // connection that died while idle (a restart, a failover) fails its first statement
-    // instead, and the layer runs the command again on another connection; the claim keeps
-    // that from applying anything twice.
-    let pool = PgPoolOptions::new()
-        .max_connections(32)
-        .acquire_timeout(Duration::from_secs(3))
-        .test_before_acquire(false)
-        .connect(&database_url)
-        .await?;
     app::prepare(&pool).await?;
 
     let webhook = std::env::var("CREDITS_WEBHOOK_URL").ok();
     let (stop_dispatcher, dispatcher_stopped) = tokio::sync::oneshot::channel::<()>();
     let dispatcher = match &webhook {
+        #[cfg(not(feature = "outbox-http"))]
+        Some(_) => {
+            let _ = dispatcher_stopped;
+            return Err("CREDITS_WEBHOOK_URL needs the outbox's HTTP transport: run with --features outbox-http".into());
+        }
+        #[cfg(feature = "outbox-http")]
         Some(url) => {
             let timeout_ms: u64 = match std::env::var("CREDITS_WEBHOOK_TIMEOUT_MS") {
                 Ok(v) => v
@@ -161,7 +169,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         StatsTask::new(pool.clone()).run(Duration::from_secs(60), std::future::pending::<()>()),
     );
 
-    let listener = tokio::net::TcpListener::bind(bind).await?;
     tracing::info!(address = %listener.local_addr()?, "credits service listening");
     axum::serve(listener, router)
         .with_graceful_shutdown(async {

@@ -1,10 +1,9 @@
-//! The handler's side: the [`InboxTx`] extractor.
+//! The handler's side: [`InboxTx`], the claimed transaction (an axum extractor with the `axum`
+//! feature, taken from the request's extensions by any other Tower service).
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-use axum::extract::{FromRequestParts, OptionalFromRequestParts};
-use http::request::Parts;
 use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
 
 use crate::identity::MessageIdentity;
@@ -63,12 +62,14 @@ impl TxSlot {
 /// Do not commit, roll back or keep it: the layer decides from the response status, and a
 /// handle still alive after the handler answered makes the layer roll back and answer `500`.
 ///
-/// **Serialization failures and deadlocks.** Statements run through `&mut *tx` are watched: when one fails with `40001` or `40P01`, the layer rolls the transaction back
-/// and runs the handler again with the same request (bounded by
+/// **Serialization failures and deadlocks.** Statements run through `&mut *tx` are watched:
+/// when one fails with `40001` or `40P01`, the layer rolls the transaction back and runs the
+/// handler again with the same request (bounded by
 /// [`transient_retry`](crate::InboxLayerBuilder::transient_retry)), whatever the handler
-/// answered. It dereferences further to the plain [`PgConnection`](sqlx::PgConnection) for functions that take
-/// one; statements run through that are not watched, so call
-/// [`request_retry`](ClaimedMessage::request_retry) when one of them fails that way.
+/// answered. Code that takes a plain [`PgConnection`](sqlx::PgConnection) gets it through
+/// [`with_connection`](ClaimedMessage::with_connection), which watches the error it returns;
+/// there is no other way to the connection. [`request_retry`](ClaimedMessage::request_retry)
+/// asks for a re-run explicitly.
 ///
 /// Extracting it on a request the layer did not claim (no layer, an unguarded method, an
 /// optional key that was absent) is rejected with a `500` problem saying so. Use
@@ -100,6 +101,26 @@ impl InboxTx {
     }
 }
 
+impl InboxTx {
+    /// The claimed transaction from a request's extensions, for handlers that are plain
+    /// Tower services rather than axum handlers: `Ok(None)` when the layer did not claim the
+    /// request (an unguarded method, an optional key that was absent), an error when the
+    /// transaction was taken already or has ended.
+    ///
+    /// ```
+    /// use tower_inbox::InboxTx;
+    ///
+    /// let request = http::Request::new(());
+    /// assert!(InboxTx::from_extensions(request.extensions()).unwrap().is_none());
+    /// ```
+    pub fn from_extensions(extensions: &http::Extensions) -> Result<Option<Self>, Problem> {
+        match extensions.get::<TxSlot>() {
+            None => Ok(None),
+            Some(slot) => Self::from_slot(slot).map(Some),
+        }
+    }
+}
+
 impl std::fmt::Debug for InboxTx {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("InboxTx")
@@ -122,34 +143,44 @@ impl DerefMut for InboxTx {
     }
 }
 
-fn layer_missing() -> Problem {
-    Problem::new(
-        ProblemKind::LayerMissing,
-        "this handler needs the inbox transaction, but the request was not claimed by \
-         InboxLayer: install the layer on this route, guard this method, or require the \
-         Idempotency-Key (or extract Option<InboxTx>)",
-    )
-}
+#[cfg(feature = "axum")]
+mod axum_extractor {
+    //! `InboxTx` as an axum extractor.
 
-impl<S: Send + Sync> FromRequestParts<S> for InboxTx {
-    type Rejection = Problem;
+    use axum::extract::{FromRequestParts, OptionalFromRequestParts};
+    use http::request::Parts;
 
-    async fn from_request_parts(parts: &mut Parts, _state: &S) -> Result<Self, Self::Rejection> {
-        let slot = parts.extensions.get::<TxSlot>().ok_or_else(layer_missing)?;
-        Self::from_slot(slot)
+    use super::InboxTx;
+    use crate::problem::{Problem, ProblemKind};
+
+    fn layer_missing() -> Problem {
+        Problem::new(
+            ProblemKind::LayerMissing,
+            "this handler needs the inbox transaction, but the request was not claimed by \
+             InboxLayer: install the layer on this route, guard this method, or require the \
+             Idempotency-Key (or extract Option<InboxTx>)",
+        )
     }
-}
 
-impl<S: Send + Sync> OptionalFromRequestParts<S> for InboxTx {
-    type Rejection = Problem;
+    impl<S: Send + Sync> FromRequestParts<S> for InboxTx {
+        type Rejection = Problem;
 
-    async fn from_request_parts(
-        parts: &mut Parts,
-        _state: &S,
-    ) -> Result<Option<Self>, Self::Rejection> {
-        match parts.extensions.get::<TxSlot>() {
-            None => Ok(None),
-            Some(slot) => Self::from_slot(slot).map(Some),
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Self, Self::Rejection> {
+            InboxTx::from_extensions(&parts.extensions)?.ok_or_else(layer_missing)
+        }
+    }
+
+    impl<S: Send + Sync> OptionalFromRequestParts<S> for InboxTx {
+        type Rejection = Problem;
+
+        async fn from_request_parts(
+            parts: &mut Parts,
+            _state: &S,
+        ) -> Result<Option<Self>, Self::Rejection> {
+            InboxTx::from_extensions(&parts.extensions)
         }
     }
 }

@@ -3,6 +3,38 @@
 //! A Tower layer that makes a retried HTTP command have **at most one committed domain
 //! transition**, while an attempt that did not commit stays retryable.
 //!
+//! ## Quick start
+//!
+//! ```no_run
+//! use axum::{http::StatusCode, routing::post, Router};
+//! use tower_inbox::{producer::TrustedHeader, InboxLayer, InboxTx};
+//!
+//! // The business write goes through the claimed transaction: it commits with the claim.
+//! async fn create_order(mut tx: InboxTx, item: String) -> Result<StatusCode, StatusCode> {
+//!     sqlx::query("insert into orders (item) values ($1)")
+//!         .bind(item)
+//!         .execute(&mut *tx)
+//!         .await
+//!         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+//!     Ok(StatusCode::CREATED)
+//! }
+//!
+//! # async fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! tower_inbox::migrate(&pool).await?; // the inbox's tables, in the schema `tower_inbox`
+//! let inbox = InboxLayer::builder(pool, "orders")
+//!     // Who sent the command: in production, your authentication (producer::FromExtension).
+//!     .producer(TrustedHeader::new("x-producer"))
+//!     .build()?;
+//! let app: Router = Router::new()
+//!     .route("/orders", post(create_order))
+//!     .route_layer(inbox);
+//! # let _ = app; Ok(()) }
+//! ```
+//!
+//! `examples/minimal.rs` is this as a service; `examples/credits.rs` is the full demo.
+//!
+//! ## How it works
+//!
 //! For each guarded request (by default `POST` and `PATCH`) the layer reads the producer's
 //! command ID from `Idempotency-Key`, opens a PostgreSQL transaction and claims
 //! `(consumer, producer, message_id)` in it with `INSERT ... ON CONFLICT DO NOTHING`. The
@@ -11,6 +43,16 @@
 //! business change and the recorded response become durable together or not at all. A
 //! duplicate gets the recorded response back byte for byte, marked `Idempotent-Replayed:
 //! true`; the same key with a different payload is refused.
+//!
+//! ## Features
+//!
+//! * `axum` (default): [`InboxTx`] as an axum extractor, `IntoResponse` for
+//!   [`Problem`](problem::Problem). Without it the layer serves any Tower HTTP stack, and a
+//!   handler takes the transaction with [`InboxTx::from_extensions`].
+//! * `outbox-http`: `outbox::HttpTransport`, the dispatcher's HTTP delivery (reqwest).
+//! * `tls`: HTTPS for `HttpTransport`.
+//!
+//! With `default-features = false` the crate pulls neither axum nor reqwest.
 //!
 //! ## The protocol, per request
 //!
@@ -21,73 +63,74 @@
 //! | key malformed: empty, over 255 characters, not visible ASCII, repeated header, bad RFC 8941 string | 400 [`key-malformed`](problem#key-malformed) | none |
 //! | producer scope not available | 401 (or 400) [`producer-missing`](problem#producer-missing) | none |
 //! | body over the limit | 413 [`body-too-large`](problem#body-too-large) | none |
-//! | first seen; the [`OutcomePolicy`] commits the status (default: 2xx, 3xx, business 4xx) | the handler's | claim + business writes + recorded response, one commit |
+//! | first seen; the [`OutcomePolicy`](middleware::OutcomePolicy) commits the status (default: 2xx, 3xx, business 4xx) | the handler's | claim + business writes + recorded response, one commit |
 //! | first seen; the handler rejects the request's shape (default: 400, 401, 403, 404, 405, 408, 413, 415, 422, 429) | the handler's | rollback: the key may be reused with a corrected request |
 //! | first seen; 5xx, panic (500 [`handler-panicked`](problem#handler-panicked)) or client gone | the handler's | rollback; the failed attempt is counted in `consumer_inbox_failure` |
 //! | the pool times out: database down or full | 503 [`unavailable`](problem#unavailable) with `Retry-After` | nothing |
-//! | serialization failure or deadlock (claim, handler, record, commit), or a requested re-run | the handler runs again, up to [`TransientRetry`] attempts, then 503 [`transaction-conflict`](problem#transaction-conflict) | at most one commit |
-//! | the connection is lost at any step, `COMMIT` included | the protocol runs again on another connection, up to [`TransientRetry`] attempts plus the pool's size, then 503 [`unavailable`](problem#unavailable) | at most one commit: the new claim decides |
+//! | serialization failure or deadlock (claim, handler, record, commit), or a requested re-run | the handler runs again, up to [`TransientRetry`](inbox::TransientRetry) attempts, then 503 [`transaction-conflict`](problem#transaction-conflict) | at most one commit |
+//! | the connection is lost at any step, `COMMIT` included | the protocol runs again on another connection, up to [`TransientRetry`](inbox::TransientRetry) attempts plus the pool's size, then 503 [`unavailable`](problem#unavailable) | at most one commit: the new claim decides |
 //! | duplicate, same fingerprint | the recorded status, headers and body, plus `Idempotent-Replayed: true` | none |
 //! | duplicate, different fingerprint | 409 (or 422) [`payload-mismatch`](problem#payload-mismatch) | none; the original untouched |
 //! | duplicate while the original is in flight | waits in the process (one poller per key, no connection held between polls) up to the configured time, then replays, runs (the original rolled back), or 409 [`in-progress`](problem#in-progress) with `Retry-After` | none |
 //!
-//! ## Pieces
+//! ## Map of the crate
 //!
-//! * [`InboxLayer`] / [`InboxService`]: the Tower adapter ([`middleware`]).
-//! * [`InboxTx`]: the extractor for the claimed transaction.
-//! * [`Inbox`], [`Claim`], [`ClaimedMessage`]: the protocol core, usable without HTTP (a
-//!   broker consumer claims and commits the same way).
-//! * [`MessageKey`], [`Fingerprint`], [`MessageIdentity`], [`Producer`]: identity.
-//! * [`replay`]: what a new handler version does with old messages
-//!   ([`ReplayPolicy`](replay::ReplayPolicy)), and
-//!   [`CompensatedMigration`](replay::CompensatedMigration) to correct past effects with
-//!   exactly-once steps.
-//! * [`retention`]: the retention window from failure scenarios, the purge, and the guard
-//!   against messages older than the window.
-//! * [`migrate`] / [`migrate_schema`] / [`MIGRATOR`], [`Schema`]: the embedded migrations and
-//!   the schema the tables live in (`tower_inbox` unless configured).
-//! * [`TransientRetry`], [`IsolationLevel`], [`RetryReason`]: re-runs after serialization
-//!   failures and deadlocks.
-//! * [`ClaimMode`], [`ReplayCache`]: claim at commit, and answer duplicates from memory.
-//! * [`metrics`]: every metric the crate records, and the stats task.
-//! * [`outbox`], [`quarantine`], [`replay`]: effects, poison messages, handler versions.
+//! | module | what it holds |
+//! |---|---|
+//! | the root | what every user touches: [`InboxLayer`] and its builder, the [`InboxTx`] extractor, [`migrate`], and the identity types [`MessageIdentity`], [`MessageKey`], [`Producer`] |
+//! | [`middleware`] | the rest of the Tower adapter: [`InboxService`](middleware::InboxService), the [`OutcomePolicy`](middleware::OutcomePolicy), the [`ReplayCache`](middleware::ReplayCache), the builder's [`ConfigError`](middleware::ConfigError) |
+//! | [`inbox`] | the protocol core, without HTTP: [`Inbox`](inbox::Inbox), [`Claim`](inbox::Claim), [`ClaimedMessage`](inbox::ClaimedMessage), re-runs ([`TransientRetry`](inbox::TransientRetry), [`RetryReason`](inbox::RetryReason)) |
+//! | [`fingerprint`] | what makes two payloads the same command |
+//! | [`producer`] | where the producer's identity comes from ([`ProducerScope`](producer::ProducerScope)) |
+//! | [`problem`] | the RFC 9457 problem+json answers |
+//! | [`outbox`] | effects written in the claimed transaction, and their dispatcher |
+//! | [`quarantine`] | poison messages and dead effects, and their repair |
+//! | [`retention`] | the retention window from failure scenarios, the purge, the guard |
+//! | [`replay`] | what a new handler version does with old messages, and compensated migrations |
+//! | [`schema`] | the embedded migrations and the schema the tables live in |
+//! | [`metrics`] | every metric the crate records, and the stats task |
+//!
+//! `ARCHITECTURE.md` in the repository follows one request through these.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-mod cache;
+pub mod body;
+mod db;
 mod extract;
-mod fingerprint;
+pub mod fingerprint;
 mod identity;
 pub mod inbox;
 mod key;
 pub mod metrics;
 pub mod middleware;
 pub mod outbox;
-mod outcome;
 pub mod problem;
 pub mod producer;
 pub mod quarantine;
 pub mod replay;
 pub mod retention;
 mod retry;
-mod schema;
+pub mod schema;
+mod sql;
 
-pub use cache::ReplayCache;
 pub use extract::InboxTx;
-pub use fingerprint::{CommandPayload, Fingerprint, FingerprintStrategy};
 pub use identity::{MessageIdentity, Producer, ProducerError, MAX_SCOPE_LEN};
-pub use inbox::{
-    Claim, ClaimMode, ClaimedMessage, Inbox, InboxEntry, InboxError, IsolationLevel,
-    RecordedResponse, RetryReason,
-};
 pub use key::{KeyError, MessageKey, MAX_KEY_LEN};
-pub use middleware::{ConfigError, InboxLayer, InboxLayerBuilder, InboxService};
-pub use outcome::{Outcome, OutcomePolicy, DEFAULT_REJECTIONS};
-pub use producer::ProducerScope;
-pub use retry::TransientRetry;
-pub use schema::{migrate, migrate_schema, Schema, SchemaError, DEFAULT_SCHEMA, MIGRATOR};
+pub use middleware::layer::{InboxLayer, InboxLayerBuilder};
 
-/// Compiles the README's code examples as doctests.
+/// Runs the embedded migrations into the default schema, `tower_inbox`, creating it first if
+/// it is missing.
+///
+/// ```no_run
+/// # async fn start(pool: sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+/// tower_inbox::migrate(&pool).await?;
+/// # Ok(()) }
+/// ```
+pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
+    schema::migrate_schema(pool, &schema::Schema::default()).await
+}
+
+/// Compiles the README's code examples as doctests (they use every feature).
 #[doc = include_str!("../README.md")]
-#[cfg(doctest)]
+#[cfg(all(doctest, feature = "axum", feature = "outbox-http"))]
 pub struct ReadmeDoctests;

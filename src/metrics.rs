@@ -1,5 +1,7 @@
 //! Metrics through the [`metrics`](https://docs.rs/metrics) facade.
 //!
+//! (Over 400 lines: one list of every metric the crate records, each with its help text and labels.)
+//!
 //! Install any recorder (Prometheus, StatsD, OpenTelemetry, ...) and the layer, the protocol
 //! core, the dispatcher, the quarantine and the retention purge report through it. Call
 //! [`describe`] once after installing it to register units and help texts. With no recorder
@@ -22,15 +24,16 @@ mod stats;
 use ::metrics::{counter, gauge, histogram, Label, Unit};
 
 use crate::identity::MessageIdentity;
+use crate::quarantine::QuarantineSource;
 
-pub use stats::{ConsumerStats, Stats, StatsTask};
+pub use stats::{ConsumerStats, Stats, StatsError, StatsTask, ZeroPeriod};
 
 /// Commands (or messages) committed for the first time: claim, business change and record.
 pub const FIRST_SEEN: &str = "inbox_first_seen_total";
 /// Duplicates answered from the record (a replay), without running the handler.
 pub const DUPLICATES: &str = "inbox_duplicates_total";
 /// Duplicates (and conflicts) answered from the in-process
-/// [`ReplayCache`](crate::ReplayCache), without the database.
+/// [`ReplayCache`](crate::middleware::ReplayCache), without the database.
 pub const CACHE_HITS: &str = "inbox_replay_cache_hits_total";
 /// Keys reused with a different payload fingerprint.
 pub const IDENTITY_CONFLICTS: &str = "inbox_identity_conflicts_total";
@@ -434,4 +437,16 @@ pub(crate) fn observe_seconds(name: &'static str, labels: &[Label], seconds: f64
 /// Sets a gauge.
 pub(crate) fn set(name: &'static str, labels: &[Label], value: f64) {
     gauge!(name, labels.iter()).set(value);
+}
+
+/// Counts an item newly opened in the quarantine.
+pub(crate) fn quarantine_moved(source: QuarantineSource) {
+    count_with(QUARANTINE_MOVES, &[], "source", source.as_str());
+}
+
+/// Counts quarantined items a later success recovered.
+pub(crate) fn quarantine_recovered(source: QuarantineSource, n: u64) {
+    if n > 0 {
+        ::metrics::counter!(QUARANTINE_RECOVERIES, "source" => source.as_str()).increment(n);
+    }
 }

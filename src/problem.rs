@@ -66,10 +66,10 @@
 
 use std::fmt;
 
-use axum::body::Body;
-use axum::response::{IntoResponse, Response};
 use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
-use http::StatusCode;
+use http::{Response, StatusCode};
+
+use crate::body::Body;
 use serde::Serialize;
 
 const TYPE_BASE: &str = "https://docs.rs/tower-inbox/latest/tower_inbox/problem/index.html#";
@@ -188,13 +188,13 @@ impl fmt::Display for ProblemKind {
 /// An RFC 9457 problem response.
 ///
 /// ```
-/// use axum::response::IntoResponse;
 /// use tower_inbox::problem::{Problem, ProblemKind};
 ///
 /// let response = Problem::new(ProblemKind::InProgress, "try again shortly")
 ///     .retry_after(1)
-///     .into_response();
+///     .response();
 /// assert_eq!(response.status(), 409);
+/// assert_eq!(response.extensions().get(), Some(&ProblemKind::InProgress));
 /// assert_eq!(response.headers()["content-type"], "application/problem+json");
 /// assert_eq!(response.headers()["retry-after"], "1");
 /// ```
@@ -268,8 +268,10 @@ impl fmt::Display for Problem {
 
 impl std::error::Error for Problem {}
 
-impl IntoResponse for Problem {
-    fn into_response(self) -> Response {
+impl Problem {
+    /// The problem+json response, with its [`ProblemKind`] in the response's extensions for
+    /// logging middleware.
+    pub fn response(self) -> Response<Body> {
         let body = ProblemBody {
             type_uri: self.kind.type_uri(),
             title: self.kind.title(),
@@ -289,6 +291,14 @@ impl IntoResponse for Problem {
         if let Some(seconds) = self.retry_after {
             headers.insert(RETRY_AFTER, HeaderValue::from(seconds));
         }
+        response.extensions_mut().insert(self.kind);
         response
+    }
+}
+
+#[cfg(feature = "axum")]
+impl axum::response::IntoResponse for Problem {
+    fn into_response(self) -> axum::response::Response {
+        self.response().map(axum::body::Body::new)
     }
 }

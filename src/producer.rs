@@ -24,7 +24,8 @@ use crate::identity::{Producer, ProducerError};
 ///
 /// ```
 /// use http::request::Parts;
-/// use tower_inbox::{Producer, ProducerError, ProducerScope};
+/// use tower_inbox::{Producer, ProducerError};
+/// use tower_inbox::producer::{ProducerScope};
 ///
 /// /// The client certificate's subject, put there by the TLS terminator.
 /// struct ClientCertSubject;

@@ -13,7 +13,7 @@ use std::time::Duration;
 ///
 /// ```
 /// use std::time::Duration;
-/// use tower_inbox::TransientRetry;
+/// use tower_inbox::inbox::TransientRetry;
 ///
 /// let retry = TransientRetry::new(4, Duration::from_millis(10), Duration::from_millis(100));
 /// assert_eq!(retry.max_attempts(), 4);
@@ -63,8 +63,15 @@ impl TransientRetry {
 
     /// The delay before re-run `rerun` (1 for the first re-run), with jitter.
     pub fn delay(&self, rerun: u32) -> Duration {
-        let doublings = rerun.saturating_sub(1).min(20);
-        let full = self.base.saturating_mul(1 << doublings).min(self.cap);
-        full.mul_f64(0.5 + fastrand::f64() * 0.5)
+        jittered(self.base, self.cap, rerun)
     }
+}
+
+/// The delay before retry `n` (from 1) of anything the crate retries: drawn between half and
+/// all of `base * 2^(n-1)`, capped at `cap`, so that what failed together does not retry in
+/// lockstep.
+pub(crate) fn jittered(base: Duration, cap: Duration, n: u32) -> Duration {
+    let doublings = n.saturating_sub(1).min(30);
+    let full = base.saturating_mul(1 << doublings).min(cap);
+    full.mul_f64(0.5 + fastrand::f64() * 0.5)
 }

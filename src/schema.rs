@@ -23,7 +23,7 @@ const TEMPLATE_PREFIX: &str = "tower_inbox.";
 /// The embedded migrations that create the inbox, outbox and quarantine tables.
 ///
 /// Their statements name no schema: run them on a connection whose `search_path` is the
-/// inbox schema alone, which is what [`migrate`] and [`migrate_schema`] do (they also keep
+/// inbox schema alone, which is what [`migrate`](crate::migrate) and [`migrate_schema`] do (they also keep
 /// the `_sqlx_migrations` record of these migrations in that schema, apart from the
 /// application's own). To run them with the `sqlx` command line instead, copy `migrations/`
 /// and give that run `options=-csearch_path=tower_inbox` after creating the schema.
@@ -34,7 +34,7 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 /// those).
 ///
 /// ```
-/// use tower_inbox::Schema;
+/// use tower_inbox::schema::Schema;
 ///
 /// assert_eq!(Schema::default().name(), "tower_inbox");
 /// assert_eq!(Schema::new("payments_inbox").unwrap().name(), "payments_inbox");
@@ -156,18 +156,6 @@ impl Deref for Sql {
             Self::Shared(sql) => sql,
         }
     }
-}
-
-/// Runs the embedded migrations into the default schema, `tower_inbox`, creating it first if
-/// it is missing.
-///
-/// ```no_run
-/// # async fn start(pool: sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateError> {
-/// tower_inbox::migrate(&pool).await?;
-/// # Ok(()) }
-/// ```
-pub async fn migrate(pool: &PgPool) -> Result<(), MigrateError> {
-    migrate_schema(pool, &Schema::default()).await
 }
 
 /// Runs the embedded migrations into `schema`, creating it first if it is missing.

@@ -12,9 +12,10 @@ use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
 use common::{credit, send, TestApp};
+use tower_inbox::inbox::{ClaimMode, IsolationLevel};
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::quarantine::{Quarantine, QuarantineFilter, QuarantineSource};
-use tower_inbox::{ClaimMode, InboxLayer, InboxTx, IsolationLevel};
+use tower_inbox::{InboxLayer, InboxTx};
 
 fn at_commit(app: &TestApp) -> Router {
     app.credits_with(|b| b.claim_mode(ClaimMode::AtCommit))
@@ -186,16 +187,16 @@ async fn a_duplicate_of_an_in_flight_original_waits_then_replays_or_gets_409() {
         tower_inbox::Producer::new("app").unwrap(),
         tower_inbox::MessageKey::new("k").unwrap(),
     );
-    let claim = tower_inbox::Inbox::new(app.pool.clone())
+    let claim = tower_inbox::inbox::Inbox::new(app.pool.clone())
         .claim(
             identity,
-            tower_inbox::Fingerprint::of_bytes(b"other"),
+            tower_inbox::fingerprint::Fingerprint::of_bytes(b"other"),
             "1",
             Duration::ZERO,
         )
         .await
         .unwrap();
-    let tower_inbox::Claim::Claimed(holder) = claim else {
+    let tower_inbox::inbox::Claim::Claimed(holder) = claim else {
         panic!("the key is free: {claim:?}");
     };
     let impatient = Router::new()

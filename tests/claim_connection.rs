@@ -15,10 +15,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::TestApp;
 use sqlx::{Connection, PgConnection, PgPool};
-use tower_inbox::{
-    Claim, ClaimedMessage, Fingerprint, Inbox, InboxError, MessageIdentity, MessageKey, Producer,
-    RecordedResponse,
-};
+use tower_inbox::fingerprint::Fingerprint;
+use tower_inbox::inbox::{Claim, ClaimedMessage, Inbox, InboxError, RecordedResponse};
+use tower_inbox::{MessageIdentity, MessageKey, Producer};
 
 /// An identity whose every part needs care in SQL text: quotes, backslashes, non-ASCII.
 fn identity(key: &str) -> MessageIdentity {

@@ -30,15 +30,14 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::MetricKind as RecordedKind;
 use sqlx::PgPool;
 use tokio::sync::{MutexGuard, Notify};
+use tower_inbox::inbox::TransientRetry;
 use tower_inbox::metrics::{self as m, MetricKind, MetricLabels, StatsTask, METRICS};
 use tower_inbox::outbox::{
     enqueue, Delivery, Dispatcher, Effect, EffectId, HttpTransport, OutboxMessage, Transport,
 };
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::quarantine::{Quarantine, QuarantineFilter, QuarantineSource};
-use tower_inbox::{
-    InboxLayer, InboxLayerBuilder, InboxTx, MessageIdentity, MessageKey, Producer, TransientRetry,
-};
+use tower_inbox::{InboxLayer, InboxLayerBuilder, InboxTx, MessageIdentity, MessageKey, Producer};
 
 // ---------------------------------------------------------------------------------------------
 // The recorder, the ledger and the probes.
@@ -474,7 +473,7 @@ async fn a_duplicate_found_by_the_claim_counts_a_duplicate_and_one_claim_wait() 
 async fn a_cached_duplicate_counts_a_duplicate_and_a_cache_hit_and_no_claim() {
     let serial = serial().await;
     let app = TestApp::new().await;
-    let cache = tower_inbox::ReplayCache::new(100, 1 << 20).unwrap();
+    let cache = tower_inbox::middleware::ReplayCache::new(100, 1 << 20).unwrap();
     let router = credits(&app, "cached", |b| b.replay_cache(cache));
     let mut probe = Probe::consumer("cached");
     send(&router, credit("a1", Some("k1"), Some("app"), 5)).await;
@@ -508,7 +507,7 @@ async fn claim_at_commit_counts_first_seen_and_a_lost_claim_as_a_duplicate() {
     let app = TestApp::new().await;
     // Without the lookup, the duplicate runs and loses its claim at commit.
     let router = credits(&app, "at-commit", |b| {
-        b.claim_mode(tower_inbox::ClaimMode::AtCommit)
+        b.claim_mode(tower_inbox::inbox::ClaimMode::AtCommit)
             .lookup_before_claim(false)
     });
     let mut probe = Probe::consumer("at-commit");

@@ -131,7 +131,7 @@ fn spawn_run(
     d: Dispatcher<HttpTransport>,
 ) -> (
     tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<Result<(), tower_inbox::InboxError>>,
+    tokio::task::JoinHandle<Result<(), tower_inbox::outbox::OutboxError>>,
 ) {
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(d.run(async {

@@ -18,6 +18,7 @@ use common::{
 };
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Notify;
+use tower_inbox::middleware::ReplayHeaders;
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::{InboxLayer, InboxLayerBuilder, InboxTx};
 
@@ -376,7 +377,10 @@ async fn recorded_headers_replay_byte_for_byte() {
                 response
             }),
         )
-        .layer(layer(&app.pool, |b| b));
+        // Cookies are not replayed by default; allowed, they come back in order.
+        .layer(layer(&app.pool, |b| {
+            b.replay_headers(ReplayHeaders::default().allow(http::header::SET_COOKIE))
+        }));
     let first = send(&router, post_to("/cmd", Some("h1"), "{}")).await;
     let replay = send(&router, post_to("/cmd", Some("h1"), "{}")).await;
     assert!(replay.replayed());
@@ -391,13 +395,59 @@ async fn recorded_headers_replay_byte_for_byte() {
 }
 
 #[tokio::test]
+async fn cookies_dates_and_denied_headers_are_not_recorded_or_replayed() {
+    let app = TestApp::new().await;
+    let handler = || async {
+        let mut response = (StatusCode::CREATED, "made").into_response();
+        let h = response.headers_mut();
+        h.append("set-cookie", "session=secret".parse().unwrap());
+        h.insert("date", "Tue, 01 Dec 2026 10:00:00 GMT".parse().unwrap());
+        h.insert("x-request-id", "r-1".parse().unwrap());
+        h.insert("x-kept", "k".parse().unwrap());
+        response
+    };
+    let router = Router::new()
+        .route("/cmd", post(handler))
+        .layer(layer(&app.pool, |b| {
+            b.replay_headers(
+                ReplayHeaders::default().deny(http::HeaderName::from_static("x-request-id")),
+            )
+        }));
+    let first = send(&router, post_to("/cmd", Some("c1"), "{}")).await;
+    assert_eq!(
+        first.headers["set-cookie"], "session=secret",
+        "the first caller gets it"
+    );
+    let replay = send(&router, post_to("/cmd", Some("c1"), "{}")).await;
+    assert!(replay.replayed());
+    assert_eq!(replay.status, StatusCode::CREATED);
+    assert_eq!(replay.headers["x-kept"], "k");
+    for absent in ["set-cookie", "date", "x-request-id"] {
+        assert!(
+            !replay.headers.contains_key(absent),
+            "{absent} was replayed"
+        );
+    }
+    // Not stored either: no credential sits in the inbox.
+    let names: Vec<String> =
+        sqlx::query_scalar("select unnest(response_header_names) from tower_inbox.consumer_inbox")
+            .fetch_all(&app.pool)
+            .await
+            .unwrap();
+    assert!(names.contains(&"x-kept".to_owned()), "{names:?}");
+    assert!(!names
+        .iter()
+        .any(|n| n == "set-cookie" || n == "date" || n == "x-request-id"));
+}
+
+#[tokio::test]
 async fn small_and_large_responses_replay_byte_for_byte_in_both_claim_modes() {
     // Small records travel with the commit as hex literals, large ones as bound parameters:
     // both must come back exactly, headers with odd bytes included.
     let app = TestApp::new().await;
     for mode in [
-        tower_inbox::ClaimMode::First,
-        tower_inbox::ClaimMode::AtCommit,
+        tower_inbox::inbox::ClaimMode::First,
+        tower_inbox::inbox::ClaimMode::AtCommit,
     ] {
         for size in [0usize, 1, 32 * 1024, 32 * 1024 + 1, 200_000] {
             let body: Vec<u8> = (0..size).map(|i| (i * 7 % 256) as u8).collect();
@@ -723,7 +773,7 @@ async fn migrations_run_twice_and_the_config_is_checked() {
     let missing_scope = InboxLayer::builder(app.pool.clone(), "c").build();
     assert_eq!(
         missing_scope.err(),
-        Some(tower_inbox::ConfigError::NoProducerScope)
+        Some(tower_inbox::middleware::ConfigError::NoProducerScope)
     );
     let bad_status = InboxLayer::builder(app.pool.clone(), "c")
         .producer(TrustedHeader::new("x-producer"))
@@ -731,14 +781,14 @@ async fn migrations_run_twice_and_the_config_is_checked() {
         .build();
     assert!(matches!(
         bad_status,
-        Err(tower_inbox::ConfigError::BadStatus(_))
+        Err(tower_inbox::middleware::ConfigError::BadStatus(_))
     ));
     let bad_consumer = InboxLayer::builder(app.pool.clone(), "")
         .producer(TrustedHeader::new("x-producer"))
         .build();
     assert_eq!(
         bad_consumer.err(),
-        Some(tower_inbox::ConfigError::BadConsumerName)
+        Some(tower_inbox::middleware::ConfigError::BadConsumerName)
     );
 }
 

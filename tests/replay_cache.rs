@@ -5,8 +5,9 @@ mod common;
 
 use axum::http::StatusCode;
 use common::{credit, send, TestApp};
+use tower_inbox::inbox::ClaimMode;
+use tower_inbox::middleware::ReplayCache;
 use tower_inbox::quarantine::{Quarantine, QuarantineFilter, QuarantineSource};
-use tower_inbox::{ClaimMode, ReplayCache};
 
 #[tokio::test]
 async fn a_cached_duplicate_is_answered_without_the_database() {

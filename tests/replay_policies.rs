@@ -22,15 +22,15 @@ use serde::Serialize;
 use serde_json::json;
 use sqlx::PgPool;
 use tokio::sync::Notify;
+use tower_inbox::fingerprint::Fingerprint;
+use tower_inbox::inbox::{Claim, ClaimedMessage, Inbox, RetryReason, TransientRetry};
+use tower_inbox::middleware::ConfigError;
 use tower_inbox::quarantine::{Quarantine, QuarantineSource};
 use tower_inbox::replay::{
     CompensatedMigration, CompensatedMigrationBuilder, MigrationDefinitionError, MigrationStep,
     ReplayPolicy, StepError, StepOutcome, TransientError,
 };
-use tower_inbox::{
-    Claim, ClaimedMessage, ConfigError, Fingerprint, Inbox, MessageIdentity, MessageKey, Producer,
-    RetryReason, TransientRetry,
-};
+use tower_inbox::{MessageIdentity, MessageKey, Producer};
 
 type BoxError = Box<dyn Error + Send + Sync>;
 
@@ -221,7 +221,7 @@ async fn crash_while_projecting(inbox: &Inbox, version: &str, event: &Event) {
     };
     write_projection_row(&mut message, version, event).await;
     let pid: i32 = sqlx::query_scalar("select pg_backend_pid()")
-        .fetch_one(&mut *message)
+        .fetch_one(&mut message)
         .await
         .expect("pid");
     sqlx::query("select pg_terminate_backend($1)")
@@ -583,10 +583,10 @@ fn expected_compensations(steps: &[MigrationStep<MissingBonus>]) -> Vec<(String,
 }
 
 /// Raises a real error with `sqlstate` from the database, aborting the transaction.
-async fn raise(conn: &mut sqlx::PgConnection, sqlstate: &str) -> sqlx::Error {
+async fn raise(conn: &mut ClaimedMessage, sqlstate: &str) -> sqlx::Error {
     let sql = format!("do $$ begin raise exception 'forced' using errcode = '{sqlstate}'; end $$");
     sqlx::query(&sql)
-        .execute(&mut *conn)
+        .execute(conn)
         .await
         .expect_err("the raise must fail")
 }
@@ -797,11 +797,11 @@ async fn a_deadlocked_step_is_rerun_and_applied_once() {
                 .execute(&mut *tx)
                 .await
                 .expect("timeout");
-            lock_account(&mut tx, &other_account)
+            lock_account(&mut *tx, &other_account)
                 .await
                 .expect("lock other");
             step_holds_row.notified().await;
-            lock_account(&mut tx, &account)
+            lock_account(&mut *tx, &account)
                 .await
                 .expect("lock step's account");
             tx.rollback().await.expect("rollback");
@@ -820,10 +820,10 @@ async fn a_deadlocked_step_is_rerun_and_applied_once() {
                     sqlx::query("set local deadlock_timeout = '50ms'")
                         .execute(&mut *tx)
                         .await?;
-                    lock_account(tx, &fix.account).await?;
+                    lock_account(&mut *tx, &fix.account).await?;
                     notify.notify_one();
                     wait_until_a_lock_is_awaited(&pool).await;
-                    lock_account(tx, &other_account).await?;
+                    lock_account(&mut *tx, &other_account).await?;
                 }
                 pay_bonus(tx, fix).await
             }
@@ -836,7 +836,10 @@ async fn a_deadlocked_step_is_rerun_and_applied_once() {
     assert_applied_once_on_the_second_attempt(&app, &steps, outcome, &calls).await;
 }
 
-async fn lock_account(conn: &mut sqlx::PgConnection, account: &str) -> Result<(), sqlx::Error> {
+async fn lock_account<'c>(
+    conn: impl sqlx::Executor<'c, Database = sqlx::Postgres>,
+    account: &str,
+) -> Result<(), sqlx::Error> {
     sqlx::query("select 1 from credit_account where account_id = $1 for update")
         .bind(account)
         .execute(conn)

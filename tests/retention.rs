@@ -9,12 +9,14 @@ use std::time::Duration;
 
 use common::{credit, send, unreachable_pool, TestApp};
 use time::OffsetDateTime;
+use tower_inbox::fingerprint::Fingerprint;
+use tower_inbox::inbox::{Claim, Inbox, InboxError};
 use tower_inbox::outbox::{enqueue, Delivery, Dispatcher, Effect, OutboxMessage, Transport};
 use tower_inbox::quarantine::{Decision, Quarantine, QuarantineSource};
 use tower_inbox::retention::{
     GuardedClaim, PurgedTable, Purger, RetentionError, RetentionGuard, RetentionPolicy,
 };
-use tower_inbox::{Claim, Fingerprint, Inbox, InboxError, MessageIdentity, MessageKey, Producer};
+use tower_inbox::{MessageIdentity, MessageKey, Producer};
 
 const HOUR: Duration = Duration::from_secs(3600);
 const DAY: Duration = Duration::from_secs(24 * 3600);
@@ -52,13 +54,13 @@ fn ago(age: Duration) -> OffsetDateTime {
 }
 
 /// A consumer applying one credit of 10 to `acct` under the claim, as a broker consumer would.
-async fn apply(message: &mut tower_inbox::ClaimedMessage) {
+async fn apply(message: &mut tower_inbox::inbox::ClaimedMessage) {
     let id = message.identity().clone();
     sqlx::query(
         "insert into credit_account (account_id, balance) values ('acct', 10)
          on conflict (account_id) do update set balance = credit_account.balance + 10",
     )
-    .execute(&mut **message)
+    .execute(&mut *message)
     .await
     .unwrap();
     sqlx::query(
@@ -68,7 +70,7 @@ async fn apply(message: &mut tower_inbox::ClaimedMessage) {
     .bind(id.consumer())
     .bind(id.producer().name())
     .bind(id.message_id().as_str())
-    .execute(&mut **message)
+    .execute(&mut *message)
     .await
     .unwrap();
 }
@@ -803,7 +805,7 @@ async fn compensated_migration_steps_outlive_the_window() {
             .unwrap();
     let step = MigrationStep::new("bonus/acct", 5).unwrap();
     fn bonus<'a>(
-        message: &'a mut tower_inbox::ClaimedMessage,
+        message: &'a mut tower_inbox::inbox::ClaimedMessage,
         _: &'a i32,
     ) -> futures_util::future::BoxFuture<'a, Result<(), sqlx::Error>> {
         async move {

@@ -16,7 +16,8 @@ use sqlx::{Executor, PgPool};
 use tower_inbox::outbox::{Dispatcher, EffectStatus, HttpTransport, Outbox};
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::quarantine::{Quarantine, QuarantineFilter};
-use tower_inbox::{migrate, migrate_schema, InboxLayer, InboxTx, Producer, ProducerError, Schema};
+use tower_inbox::schema::{migrate_schema, Schema};
+use tower_inbox::{migrate, InboxLayer, InboxTx, Producer, ProducerError};
 use tower_inbox_testdb::TestDatabase;
 
 const CREDITS_SCHEMA: &str = include_str!("../examples/credits/schema.sql");
@@ -146,7 +147,7 @@ async fn two_schemas_in_one_database_keep_their_own_tables_and_migration_records
     assert_eq!(applied("inbox_a").await, applied("inbox_b").await);
     assert_eq!(
         applied("inbox_a").await,
-        tower_inbox::MIGRATOR.iter().count() as i64
+        tower_inbox::schema::MIGRATOR.iter().count() as i64
     );
 
     let router_a = layered(&pool, &a);

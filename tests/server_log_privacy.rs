@@ -17,7 +17,8 @@ use common::{logging_cluster, send, Reply, TestApp};
 use http::request::Parts;
 use http::{Request, StatusCode};
 use sqlx::PgPool;
-use tower_inbox::{ClaimMode, InboxLayer, InboxTx, Producer, ProducerError};
+use tower_inbox::inbox::ClaimMode;
+use tower_inbox::{InboxLayer, InboxTx, Producer, ProducerError};
 use tower_inbox_testdb::{Cluster, LogMark};
 
 const PRODUCER: &str = "producer-SECRET-Q4";

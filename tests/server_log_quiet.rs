@@ -13,9 +13,11 @@ use common::{
     wait_until_a_lock_is_awaited, wait_until_waiting, Reply, TestApp,
 };
 use time::OffsetDateTime;
+use tower_inbox::fingerprint::Fingerprint;
+use tower_inbox::inbox::{ClaimMode, Inbox};
 use tower_inbox::quarantine::{Quarantine, QuarantineSource};
 use tower_inbox::retention::{GuardedClaim, RetentionGuard, RetentionPolicy};
-use tower_inbox::{ClaimMode, Fingerprint, Inbox, MessageIdentity, MessageKey, Producer};
+use tower_inbox::{MessageIdentity, MessageKey, Producer};
 use tower_inbox_testdb::{Cluster, LogMark};
 
 const DAY: Duration = Duration::from_secs(24 * 3600);

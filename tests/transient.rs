@@ -16,11 +16,12 @@ use axum::Router;
 use common::{credit, send, TestApp};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tokio::sync::Barrier;
-use tower_inbox::producer::TrustedHeader;
-use tower_inbox::{
-    Claim, Fingerprint, Inbox, InboxError, InboxLayer, InboxLayerBuilder, InboxTx, IsolationLevel,
-    MessageIdentity, MessageKey, Producer, RetryReason, TransientRetry,
+use tower_inbox::fingerprint::Fingerprint;
+use tower_inbox::inbox::{
+    Claim, ClaimedMessage, Inbox, InboxError, IsolationLevel, RetryReason, TransientRetry,
 };
+use tower_inbox::producer::TrustedHeader;
+use tower_inbox::{InboxLayer, InboxLayerBuilder, InboxTx, MessageIdentity, MessageKey, Producer};
 
 /// Counters recorded in this test binary, accumulated: a debugging snapshot drains what it
 /// reads, so every read goes through here. Tests tell their series apart by consumer name.
@@ -324,11 +325,11 @@ async fn a_requested_rerun_runs_the_handler_again_with_the_same_request() {
             async move {
                 let run = runs.fetch_add(1, Ordering::SeqCst);
                 let id = tx.identity().message_id().as_str().to_owned();
-                // Through the plain connection: not watched, so the handler says so itself.
+                // The handler asks for the re-run itself.
                 sqlx::query("insert into applied values ($1, $2)")
                     .bind(id)
                     .bind(body)
-                    .execute(&mut **tx)
+                    .execute(&mut *tx)
                     .await
                     .expect("insert");
                 if run == 0 {
@@ -487,6 +488,20 @@ async fn concurrent_duplicates_commit_once_at_serializable() {
     concurrent_duplicates_commit_once(IsolationLevel::Serializable, "serializable").await;
 }
 
+/// The first claim of `key` (consumer `broker`, producer `payments`) in `inbox`.
+async fn first_claim(inbox: &Inbox, key: &str) -> ClaimedMessage {
+    let identity = MessageIdentity::new(
+        "broker",
+        Producer::new("payments").unwrap(),
+        MessageKey::new(key).unwrap(),
+    );
+    let claim = inbox.claim(identity, Fingerprint::of_bytes(b"m"), "1", Duration::ZERO);
+    match claim.await.unwrap() {
+        Claim::Claimed(message) => message,
+        _ => panic!("first claim of {key}"),
+    }
+}
+
 #[tokio::test]
 async fn a_claimed_message_remembers_transient_failures_of_watched_statements() {
     let app = TestApp::new().await;
@@ -505,64 +520,58 @@ async fn a_claimed_message_remembers_transient_failures_of_watched_statements() 
         ("d", "40P01", Some(RetryReason::Deadlock)),
         ("u", "23505", None),
     ] {
-        let Claim::Claimed(mut message) = inbox
-            .claim(
-                identity(key),
-                Fingerprint::of_bytes(b"m"),
-                "1",
-                Duration::ZERO,
-            )
-            .await
-            .unwrap()
-        else {
-            panic!("first claim of {key}");
-        };
+        let mut message = first_claim(&inbox, key).await;
         let sql = raise(code);
         assert!(sqlx::query(&sql).execute(&mut message).await.is_err());
         assert_eq!(message.retry_reason(), expected, "{code}");
         message.rollback().await.unwrap();
     }
-    // Statements through the plain connection are not watched.
-    let Claim::Claimed(mut message) = inbox
-        .claim(
-            identity("p"),
-            Fingerprint::of_bytes(b"m"),
-            "1",
-            Duration::ZERO,
-        )
-        .await
-        .unwrap()
-    else {
-        panic!("first claim of p");
-    };
+    // The plain connection is reached through with_connection only, and watched there too:
+    // the error its closure returns counts like a statement's.
+    let mut message = first_claim(&inbox, "p").await;
     let sql = raise("40001");
-    assert!(sqlx::query(&sql).execute(&mut *message).await.is_err());
-    assert_eq!(message.retry_reason(), None);
-    // The transaction is aborted (by the unwatched failure); asking for a re-run makes the
-    // commit roll back and say so, instead of failing with "transaction aborted".
-    message.request_retry();
-    assert_eq!(message.retry_reason(), Some(RetryReason::Requested));
+    let failed = message
+        .with_connection(async |conn| sqlx::query(&sql).execute(conn).await)
+        .await;
+    assert!(failed.is_err());
+    assert_eq!(
+        message.retry_reason(),
+        Some(RetryReason::SerializationFailure)
+    );
     let err = message.commit(None).await.expect_err("never committed");
     assert!(
-        matches!(err, InboxError::Rerun(RetryReason::Requested)),
+        matches!(err, InboxError::Rerun(RetryReason::SerializationFailure)),
         "{err}"
     );
     assert!(err.is_retryable());
 
+    // An error swallowed inside the closure is not seen, but it aborted the transaction:
+    // the record fails and nothing commits.
+    let mut message = first_claim(&inbox, "swallowed").await;
+    let swallowed = message
+        .with_connection(async |conn| {
+            let _ = sqlx::query(&sql).execute(&mut *conn).await;
+            Ok(())
+        })
+        .await;
+    assert!(swallowed.is_ok());
+    assert_eq!(message.retry_reason(), None);
+    assert!(
+        message.commit(None).await.is_err(),
+        "an aborted transaction never commits"
+    );
+    assert!(
+        inbox
+            .lookup(&identity("swallowed"))
+            .await
+            .unwrap()
+            .is_none(),
+        "nothing of the swallowed run was committed"
+    );
+
     // A watched failure makes the commit roll back with its reason too, even when the
     // consumer carries on as if nothing happened.
-    let Claim::Claimed(mut message) = inbox
-        .claim(
-            identity("w"),
-            Fingerprint::of_bytes(b"m"),
-            "1",
-            Duration::ZERO,
-        )
-        .await
-        .unwrap()
-    else {
-        panic!("first claim of w");
-    };
+    let mut message = first_claim(&inbox, "w").await;
     let _ = sqlx::query(&raise("40P01")).execute(&mut message).await;
     let err = message.commit(None).await.expect_err("never committed");
     assert_eq!(err.retry_reason(), Some(RetryReason::Deadlock));

@@ -15,8 +15,9 @@ use axum::Router;
 use common::{credit, send, wait_until_waiting, Reply, TestApp};
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Notify;
+use tower_inbox::inbox::Inbox;
 use tower_inbox::producer::TrustedHeader;
-use tower_inbox::{Inbox, InboxLayer, InboxTx};
+use tower_inbox::{InboxLayer, InboxTx};
 
 /// Accounts named `gated-*` wait for `release` after their write; others answer at once.
 fn router(

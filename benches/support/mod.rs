@@ -19,7 +19,7 @@ use axum::Router;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 use tower::ServiceExt;
-use tower_inbox::Schema;
+use tower_inbox::schema::Schema;
 
 pub type BoxError = Box<dyn Error + Send + Sync>;
 

@@ -9,16 +9,16 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 use std::sync::Arc;
 
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder, PrometheusHandle};
+use tower_inbox::middleware::ConfigError;
 use tower_inbox::outbox::OutboxMessage;
 use tower_inbox::producer::TrustedHeader;
-use tower_inbox::{
-    ConfigError, InboxLayer, InboxLayerBuilder, InboxTx, MessageIdentity, MessageKey, Producer,
-    Schema,
-};
+use tower_inbox::schema::Schema;
+use tower_inbox::{InboxLayer, InboxLayerBuilder, InboxTx, MessageIdentity, MessageKey, Producer};
 
 /// The consumer name the credits service claims commands under.
 pub const CONSUMER: &str = "credits";
@@ -30,6 +30,52 @@ pub const CONSUMER: &str = "credits";
 /// what keeps a retried command from being applied twice, and the tests count ledger rows to
 /// prove it.
 const SCHEMA: &str = include_str!("schema.sql");
+
+/// A pool for the example's database: `DATABASE_URL`, else the database the tests would use
+/// (the server on 127.0.0.1:5432, else a throwaway cluster from the local binaries). Says
+/// which server it uses (never the password); a failure is one line naming the server and
+/// `DATABASE_URL`.
+pub async fn connect(
+    max_connections: u32,
+) -> Result<PgPool, Box<dyn std::error::Error + Send + Sync>> {
+    let (url, origin) = match std::env::var("DATABASE_URL") {
+        Ok(url) => (url, "DATABASE_URL"),
+        Err(_) => {
+            let url = tower_inbox_testdb::app_database_url("tower_inbox_credits")
+                .await
+                .map_err(|e| {
+                    format!("DATABASE_URL is not set and no local PostgreSQL is usable: {e}")
+                })?;
+            let origin = match tower_inbox_testdb::server()?.kind() {
+                tower_inbox_testdb::ServerKind::Throwaway => {
+                    "a throwaway cluster started from the local PostgreSQL binaries; set DATABASE_URL to keep the data"
+                }
+                _ => "the local server; DATABASE_URL is not set",
+            };
+            (url, origin)
+        }
+    };
+    let options: PgConnectOptions = url
+        .parse()
+        .map_err(|e| format!("DATABASE_URL is not a valid PostgreSQL URL: {e}"))?;
+    let server = format!("{}:{}", options.get_host(), options.get_port());
+    let database = options.get_database().unwrap_or("(the user's)").to_owned();
+    tracing::info!("using PostgreSQL at {server}, database {database} ({origin})");
+    // Each in-flight command holds one connection from the claim to the commit (duplicates
+    // waiting for it hold none): size the pool for the concurrency you serve.
+    //
+    // No ping before each acquire (sqlx's default sends one, a round trip per request): a
+    // connection that died while idle (a restart, a failover) fails its first statement
+    // instead, and the layer runs the command again on another connection; the claim keeps
+    // that from applying anything twice.
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(std::time::Duration::from_secs(3))
+        .test_before_acquire(false)
+        .connect_with(options)
+        .await
+        .map_err(|e| format!("cannot connect to PostgreSQL at {server} (DATABASE_URL): {e}").into())
+}
 
 /// Runs the inbox migrations into the default schema and creates the example's tables.
 pub async fn prepare(pool: &PgPool) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -44,7 +90,7 @@ pub async fn prepare_schema(
     pool: &PgPool,
     schema: &Schema,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    tower_inbox::migrate_schema(pool, schema).await?;
+    tower_inbox::schema::migrate_schema(pool, schema).await?;
     // One advisory lock so that two instances starting together do not race on CREATE.
     let mut tx = pool.begin().await?;
     sqlx::query("select pg_advisory_xact_lock(7367245)")

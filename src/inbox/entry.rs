@@ -23,7 +23,7 @@ impl RecordedResponse {
     /// response's recording limit counts all of them.
     ///
     /// ```
-    /// use tower_inbox::RecordedResponse;
+    /// use tower_inbox::inbox::RecordedResponse;
     /// let r = RecordedResponse {
     ///     status: 201,
     ///     headers: vec![("location".into(), b"/a/1".to_vec())],

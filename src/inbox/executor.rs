@@ -13,7 +13,8 @@ use sqlx::{Database, Describe, Either, Execute, Executor, Postgres};
 
 use super::{ClaimedMessage, RetryReason};
 
-fn watch(retry: &mut Option<RetryReason>, err: &sqlx::Error) {
+/// Notes why the transaction must re-run, if `err` says it must (the first reason wins).
+pub(super) fn watch(retry: &mut Option<RetryReason>, err: &sqlx::Error) {
     if retry.is_none() {
         *retry = RetryReason::of(err);
     }

@@ -1,6 +1,5 @@
 //! A claimed message: its transaction, and the record-and-commit that ends it.
 
-use std::ops::{Deref, DerefMut};
 use std::time::{Duration, Instant};
 
 use sqlx::postgres::PgConnection;
@@ -9,12 +8,12 @@ use time::OffsetDateTime;
 use tracing::Instrument;
 
 use super::entry::{response_binds, seen, Claim, RecordedResponse};
-use super::{
-    count_claim, quarantine_recovered, sql, ClaimLock, Inbox, InboxError, RetryReason, Settled,
-};
+use super::executor::watch;
+use super::{count_claim, sql, ClaimLock, Inbox, InboxError, RetryReason, Settled};
 use crate::fingerprint::Fingerprint;
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::metrics as m;
+use crate::metrics::quarantine_recovered;
 use crate::outbox::{Enqueued, OutboxMessage};
 use crate::quarantine::{identity_item_key, QuarantineSource};
 use crate::schema::Schema;
@@ -105,14 +104,40 @@ impl ClaimedMessage {
     ) -> Result<Enqueued, InboxError> {
         let schema = self.inbox.schema().clone();
         let identity = self.identity.clone();
-        crate::outbox::enqueue_in(&schema, self, &identity, effect_name, message).await
+        crate::outbox::enqueue_in(&schema, self, &identity, effect_name, message)
+            .await
+            .map_err(InboxError::classify)
     }
 
     /// Asks for this transaction to be rolled back and run again from the start, as after a
     /// serialization failure. The layer honours it whatever the handler answers, within its
-    /// [`TransientRetry`](crate::TransientRetry) bound.
+    /// [`TransientRetry`](crate::inbox::TransientRetry) bound.
     pub fn request_retry(&mut self) {
         self.retry.get_or_insert(RetryReason::Requested);
+    }
+
+    /// Runs `f` with the transaction's plain connection, for code that takes a
+    /// `&mut PgConnection` rather than an executor. The error `f` returns is watched like a
+    /// statement run through the message: a serialization failure or deadlock makes the
+    /// transaction re-run. Return the database errors met inside `f`; one swallowed there
+    /// still leaves the transaction aborted, so its record fails and nothing commits.
+    ///
+    /// ```no_run
+    /// # async fn f(message: &mut tower_inbox::inbox::ClaimedMessage) -> Result<(), sqlx::Error> {
+    /// let n: i64 = message
+    ///     .with_connection(async |conn| sqlx::query_scalar("select 1").fetch_one(conn).await)
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn with_connection<T, F>(&mut self, f: F) -> Result<T, sqlx::Error>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
+    {
+        let result = f(&mut self.tx).await;
+        if let Err(err) = &result {
+            watch(&mut self.retry, err);
+        }
+        result
     }
 
     /// Why this transaction has to be re-run, if a watched statement failed with a
@@ -302,19 +327,5 @@ async fn taken_at_commit(
         Settled::Busy => Ok(Finished::ClaimedElsewhere(Box::new(Claim::InProgress))),
         // Taken, then gone (the original rolled back, or a purge): run again.
         Settled::Free => Err(InboxError::Rerun(RetryReason::SerializationFailure)),
-    }
-}
-
-impl Deref for ClaimedMessage {
-    type Target = PgConnection;
-
-    fn deref(&self) -> &PgConnection {
-        &self.tx
-    }
-}
-
-impl DerefMut for ClaimedMessage {
-    fn deref_mut(&mut self) -> &mut PgConnection {
-        &mut self.tx
     }
 }

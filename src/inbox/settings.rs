@@ -47,3 +47,6 @@ pub enum ClaimMode {
     /// commands are answered before the handler, by the lookup, as in the default mode.
     AtCommit,
 }
+
+/// Default time a duplicate waits for an original in flight: 2 s.
+pub const DEFAULT_IN_FLIGHT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);

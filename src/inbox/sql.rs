@@ -13,43 +13,7 @@
 //! Each statement is one plain SQL statement (no PL/pgSQL, no exception block), prepared once
 //! per connection by sqlx and run from its cached plan afterwards.
 
-/// A `bytea` parameter holding UTF-8 as `text`, in the default collation (the collation
-/// `convert_from` would otherwise take from its `name` argument is `"C"`, under which the
-/// primary key cannot be used).
-macro_rules! utf8 {
-    ($param:literal) => {
-        concat!(
-            "pg_catalog.convert_from(",
-            $param,
-            ", 'UTF8') collate pg_catalog.\"default\""
-        )
-    };
-}
-pub(crate) use utf8;
-
-/// `<alias>.<key column> = <parameter>` for the four key columns, bound as
-/// [`bind_identity!`](crate::identity::bind_identity) binds them: `$1` to `$4`.
-macro_rules! key_is {
-    ($alias:literal) => {
-        concat!(
-            $alias,
-            ".consumer_name = ",
-            $crate::inbox::sql::utf8!("$1"),
-            " and ",
-            $alias,
-            ".producer_name = ",
-            $crate::inbox::sql::utf8!("$2"),
-            " and ",
-            $alias,
-            ".tenant_id = ",
-            $crate::inbox::sql::utf8!("$3"),
-            " and ",
-            $alias,
-            ".message_id = $4"
-        )
-    };
-}
-pub(crate) use key_is;
+use crate::sql::{key_is, utf8};
 
 /// What a row of the inbox answers a duplicate with, from the table aliased `i`.
 macro_rules! entry_columns {
@@ -67,7 +31,7 @@ macro_rules! failed_before {
     () => {
         concat!(
             "exists (select 1 from tower_inbox.consumer_inbox_failure f where ",
-            $crate::inbox::sql::key_is!("f"),
+            $crate::sql::key_is!("f"),
             ")"
         )
     };

@@ -8,8 +8,17 @@ use sqlx::PgPool;
 use tracing::Instrument;
 
 use super::{set, MetricLabels};
-use crate::inbox::InboxError;
-use crate::middleware::ConfigError;
+
+crate::db::database_error!(
+    /// A failed collection of the stats.
+    StatsError,
+    "the stats"
+);
+
+/// [`StatsTask::run`] was given a zero period: it would read the statistics back to back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the stats period must be positive")]
+pub struct ZeroPeriod;
 use crate::quarantine::QuarantineSource;
 use crate::schema::Schema;
 
@@ -184,7 +193,7 @@ impl StatsTask {
     }
 
     /// Reads the stats once and sets the gauges.
-    pub async fn collect(&mut self) -> Result<Stats, InboxError> {
+    pub async fn collect(&mut self) -> Result<Stats, StatsError> {
         let stats = self
             .read()
             .instrument(tracing::info_span!("inbox.stats"))
@@ -193,8 +202,8 @@ impl StatsTask {
         Ok(stats)
     }
 
-    async fn read(&self) -> Result<Stats, InboxError> {
-        let classify = InboxError::classify;
+    async fn read(&self) -> Result<Stats, StatsError> {
+        let classify = StatsError::from;
         let mut rows: Vec<(String, i64)> = sqlx::query_as(&self.schema.sql(INBOX_ROWS_ESTIMATE))
             .fetch_all(&self.pool)
             .await
@@ -318,9 +327,9 @@ impl StatsTask {
         mut self,
         period: Duration,
         shutdown: impl Future<Output = ()> + Send,
-    ) -> Result<(), ConfigError> {
+    ) -> Result<(), ZeroPeriod> {
         if period.is_zero() {
-            return Err(ConfigError::BadLimit("the stats period must be positive"));
+            return Err(ZeroPeriod);
         }
         tokio::pin!(shutdown);
         loop {

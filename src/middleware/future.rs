@@ -3,7 +3,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use axum::body::Body;
+use crate::body::Body;
 use http::Response;
 
 type BoxedFlow<E> = Pin<Box<dyn Future<Output = Result<Response<Body>, E>> + Send>>;

@@ -1,3 +1,7 @@
+//! [`InboxLayer`](crate::InboxLayer) and its builder.
+//!
+//! (Over 400 lines: the builder has one documented method per setting.)
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -6,56 +10,21 @@ use http::{Method, StatusCode};
 use sqlx::PgPool;
 use tower::Layer;
 
+use super::cache::ReplayCache;
+use super::config::{
+    InboxConfig, MakeProblem, DEFAULT_BODY_LIMIT, DEFAULT_RESPONSE_LIMIT, IDEMPOTENCY_KEY,
+};
+use super::outcome::OutcomePolicy;
+use super::replay_headers::ReplayHeaders;
 use super::service::InboxService;
-use crate::cache::ReplayCache;
 use crate::fingerprint::FingerprintStrategy;
-use crate::inbox::{ClaimMode, Inbox, IsolationLevel};
+use crate::inbox::{ClaimMode, Inbox, IsolationLevel, DEFAULT_IN_FLIGHT_WAIT};
 use crate::key::MAX_KEY_LEN;
 use crate::metrics::MetricLabels;
-use crate::outcome::OutcomePolicy;
 use crate::producer::ProducerScope;
 use crate::replay::{ConsumerNameError, ReplayPolicy};
 use crate::retry::TransientRetry;
 use crate::schema::Schema;
-
-/// The header the command ID is read from by default.
-pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-
-/// The header marking a replayed response.
-pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
-
-/// Default request body limit: 1 MiB.
-pub const DEFAULT_BODY_LIMIT: usize = 1024 * 1024;
-
-/// Default limit on a response the layer records: 1 MiB.
-pub const DEFAULT_RESPONSE_LIMIT: usize = 1024 * 1024;
-
-/// Default time a duplicate waits for an in-flight original: 2 s.
-pub const DEFAULT_IN_FLIGHT_WAIT: Duration = Duration::from_secs(2);
-
-/// The settings one layer applies; shared by every service it builds.
-pub(crate) struct InboxConfig {
-    pub(crate) inbox: Inbox,
-    pub(crate) consumer: Arc<str>,
-    pub(crate) producer: Arc<dyn ProducerScope>,
-    pub(crate) producer_missing_status: StatusCode,
-    pub(crate) guarded_methods: Vec<Method>,
-    pub(crate) key_header: HeaderName,
-    pub(crate) key_required: bool,
-    pub(crate) max_key_len: usize,
-    pub(crate) body_limit: usize,
-    pub(crate) response_limit: usize,
-    pub(crate) in_flight_wait: Duration,
-    pub(crate) retry_after_secs: u32,
-    pub(crate) mismatch_status: StatusCode,
-    pub(crate) outcome: OutcomePolicy,
-    pub(crate) handler_version: Arc<str>,
-    pub(crate) fingerprint: FingerprintStrategy,
-    pub(crate) quarantine_after: u32,
-    pub(crate) transient_retry: TransientRetry,
-    pub(crate) claim_mode: ClaimMode,
-    pub(crate) replay_cache: Option<ReplayCache>,
-}
 
 /// A Tower layer that makes guarded requests exactly-once commands.
 ///
@@ -93,6 +62,8 @@ impl InboxLayer {
             metric_labels: MetricLabels::default(),
             claim_mode: ClaimMode::default(),
             replay_cache: None,
+            replay_headers: ReplayHeaders::default(),
+            on_problem: None,
             lookup_before_claim: None,
             schema: Schema::default(),
             waiting_keys_limit: None,
@@ -158,7 +129,7 @@ pub enum ConfigError {
 /// use std::time::Duration;
 /// use tower_inbox::{producer::TrustedHeader, InboxLayer};
 ///
-/// # fn build(pool: sqlx::PgPool) -> Result<InboxLayer, tower_inbox::ConfigError> {
+/// # fn build(pool: sqlx::PgPool) -> Result<InboxLayer, tower_inbox::middleware::ConfigError> {
 /// let layer = InboxLayer::builder(pool, "credits")
 ///     .producer(TrustedHeader::new("x-producer"))
 ///     .body_limit(64 * 1024)
@@ -192,6 +163,8 @@ pub struct InboxLayerBuilder {
     metric_labels: MetricLabels,
     claim_mode: ClaimMode,
     replay_cache: Option<ReplayCache>,
+    replay_headers: ReplayHeaders,
+    on_problem: Option<Arc<dyn MakeProblem>>,
     lookup_before_claim: Option<bool>,
     schema: Schema,
     waiting_keys_limit: Option<usize>,
@@ -210,7 +183,7 @@ impl InboxLayerBuilder {
     }
 
     /// The schema the inbox tables are in (default `tower_inbox`); create them there with
-    /// [`migrate_schema`](crate::migrate_schema). Every statement names it, so a handler
+    /// [`migrate_schema`](crate::schema::migrate_schema). Every statement names it, so a handler
     /// that changes its session's `search_path` cannot redirect the protocol.
     pub fn schema(mut self, schema: Schema) -> Self {
         self.schema = schema;
@@ -229,6 +202,39 @@ impl InboxLayerBuilder {
     /// The cache may be shared between layers. See [`ReplayCache`].
     pub fn replay_cache(mut self, cache: ReplayCache) -> Self {
         self.replay_cache = Some(cache);
+        self
+    }
+
+    /// Which response headers are recorded and replayed (default: all but hop-by-hop
+    /// headers, `Set-Cookie` and `Date`). See [`ReplayHeaders`].
+    pub fn replay_headers(mut self, policy: ReplayHeaders) -> Self {
+        self.replay_headers = policy;
+        self
+    }
+
+    /// Shapes the layer's own error responses (problem+json by default): `make` receives the
+    /// [`Problem`](crate::problem::Problem) and the default response, and returns the response to send. The
+    /// problem's [`ProblemKind`](crate::problem::ProblemKind) stays in the response's
+    /// extensions either way. Answers of the handler, rejections of its extractors included,
+    /// are the handler's and do not pass through it.
+    ///
+    /// ```no_run
+    /// use tower_inbox::{producer::TrustedHeader, InboxLayer};
+    ///
+    /// # fn build(pool: sqlx::PgPool) -> Result<InboxLayer, tower_inbox::middleware::ConfigError> {
+    /// // Add the problem's kind as a header for clients that do not read problem+json.
+    /// let layer = InboxLayer::builder(pool, "orders")
+    ///     .producer(TrustedHeader::new("x-producer"))
+    ///     .on_problem(|problem: &tower_inbox::problem::Problem, mut response: http::Response<_>| {
+    ///         let kind = http::HeaderValue::from_static(problem.kind().slug());
+    ///         response.headers_mut().insert("x-inbox-problem", kind);
+    ///         response
+    ///     })
+    ///     .build()?;
+    /// # Ok(layer) }
+    /// ```
+    pub fn on_problem(mut self, make: impl MakeProblem) -> Self {
+        self.on_problem = Some(Arc::new(make));
         self
     }
 
@@ -444,6 +450,8 @@ impl InboxLayerBuilder {
                 transient_retry: self.transient_retry,
                 claim_mode: self.claim_mode,
                 replay_cache: self.replay_cache,
+                replay_headers: self.replay_headers,
+                on_problem: self.on_problem,
             }),
         })
     }

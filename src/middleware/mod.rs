@@ -1,4 +1,4 @@
-//! The HTTP adapter: [`InboxLayer`], a thin Tower layer over the [protocol core](crate::inbox).
+//! The HTTP adapter: [`InboxLayer`](crate::InboxLayer), a thin Tower layer over the [protocol core](crate::inbox).
 //!
 //! ```no_run
 //! use axum::{routing::post, Router};
@@ -23,15 +23,21 @@
 //! # let _ = app; Ok(()) }
 //! ```
 
+mod cache;
+mod config;
 mod flow;
 mod future;
-#[allow(clippy::module_inception)]
-mod layer;
+pub(crate) mod layer;
+mod outcome;
+mod replay_headers;
 mod service;
 
-pub use future::ResponseFuture;
-pub use layer::{
-    ConfigError, InboxLayer, InboxLayerBuilder, DEFAULT_BODY_LIMIT, DEFAULT_IN_FLIGHT_WAIT,
-    DEFAULT_RESPONSE_LIMIT, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
+pub use cache::{EmptyCache, ReplayCache};
+pub use config::{
+    MakeProblem, DEFAULT_BODY_LIMIT, DEFAULT_RESPONSE_LIMIT, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
 };
+pub use future::ResponseFuture;
+pub use layer::ConfigError;
+pub use outcome::{Outcome, OutcomePolicy, DEFAULT_REJECTIONS};
+pub use replay_headers::ReplayHeaders;
 pub use service::InboxService;

@@ -1,16 +1,16 @@
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use axum::body::Body;
+use crate::body::Body;
 use bytes::Bytes;
 use http::{Request, Response};
 use tower::Service;
 
+use super::config::InboxConfig;
 use super::flow;
 use super::future::ResponseFuture;
-use super::layer::InboxConfig;
 
-/// The service [`InboxLayer`](super::InboxLayer) wraps around the handler.
+/// The service [`InboxLayer`](crate::InboxLayer) wraps around the handler.
 ///
 /// The inner service receives the request with its body buffered (it was read for the
 /// fingerprint), and the claimed transaction in its extensions for
@@ -50,9 +50,9 @@ where
     S::Future: Send + 'static,
     S::Error: Send + 'static,
     ReqBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ReqBody::Error: Into<axum::BoxError>,
+    ReqBody::Error: Into<crate::body::BoxError>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
-    ResBody::Error: Into<axum::BoxError>,
+    ResBody::Error: Into<crate::body::BoxError>,
 {
     type Response = Response<Body>;
     type Error = S::Error;

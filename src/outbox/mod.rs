@@ -63,6 +63,8 @@
 //! ```
 
 mod dispatcher;
+#[cfg(feature = "outbox-http")]
+mod http;
 mod sql;
 mod transport;
 
@@ -74,11 +76,18 @@ use sqlx::{Executor, PgPool, Postgres, Row};
 use time::OffsetDateTime;
 
 use crate::identity::MessageIdentity;
-use crate::inbox::InboxError;
 use crate::schema::Schema;
 
-pub use dispatcher::{DispatchReport, Dispatcher, DispatcherBuilder};
-pub use transport::{Delivery, HttpTransport, Transport};
+pub use dispatcher::{DispatchReport, Dispatcher, DispatcherBuilder, DispatcherConfigError};
+#[cfg(feature = "outbox-http")]
+pub use http::HttpTransport;
+pub use transport::{Delivery, Transport};
+
+crate::db::database_error!(
+    /// A failure of the outbox's database work.
+    OutboxError,
+    "the outbox"
+);
 
 /// The stable ID of one external effect, also its idempotency key at the receiver.
 #[derive(Clone, PartialEq, Eq, Hash)]
@@ -110,7 +119,7 @@ impl EffectId {
             hasher.update(part.as_bytes());
         }
         let digest = hasher.finalize();
-        Self(crate::Fingerprint::from_digest(digest.into()).to_hex())
+        Self(crate::fingerprint::Fingerprint::from_digest(digest.into()).to_hex())
     }
 
     /// An ID chosen by the caller, for effects that do not come from an inbox message. It
@@ -175,29 +184,30 @@ pub struct Enqueued {
 /// Writes the effect `effect_name` of the message `identity` to the outbox in the default
 /// schema, on `conn`: the claimed transaction (`&mut *tx` for an
 /// [`InboxTx`](crate::InboxTx), `&mut message` for a
-/// [`ClaimedMessage`](crate::ClaimedMessage), both watched for serialization failures and
+/// [`ClaimedMessage`](crate::inbox::ClaimedMessage), both watched for serialization failures and
 /// deadlocks) or any sqlx connection or transaction (`&mut *sqlx_tx`).
 ///
 /// Dispatchers are woken when the transaction commits; a rollback leaves no trace. In a
-/// handler, [`ClaimedMessage::enqueue`](crate::ClaimedMessage::enqueue) does the same in the
+/// handler, [`ClaimedMessage::enqueue`](crate::inbox::ClaimedMessage::enqueue) does the same in the
 /// layer's schema; [`Outbox::enqueue`] takes the schema of its outbox.
 pub async fn enqueue<'c>(
     conn: impl Executor<'c, Database = Postgres>,
     identity: &MessageIdentity,
     effect_name: &str,
     message: &OutboxMessage,
-) -> Result<Enqueued, InboxError> {
-    enqueue_in(&Schema::default(), conn, identity, effect_name, message).await
+) -> Result<Enqueued, OutboxError> {
+    Ok(enqueue_in(&Schema::default(), conn, identity, effect_name, message).await?)
 }
 
-/// [`enqueue`] in `schema`.
+/// [`enqueue`] in `schema`, failing with the statement's own error (the inbox classifies it
+/// as its own when the claimed transaction enqueues).
 pub(crate) async fn enqueue_in<'c>(
     schema: &Schema,
     conn: impl Executor<'c, Database = Postgres>,
     identity: &MessageIdentity,
     effect_name: &str,
     message: &OutboxMessage,
-) -> Result<Enqueued, InboxError> {
+) -> Result<Enqueued, sqlx::Error> {
     let effect_id = EffectId::for_message(identity, effect_name);
     insert(
         schema,
@@ -216,8 +226,8 @@ pub async fn enqueue_with_id<'c>(
     effect_id: EffectId,
     effect_name: &str,
     message: &OutboxMessage,
-) -> Result<Enqueued, InboxError> {
-    insert(
+) -> Result<Enqueued, OutboxError> {
+    Ok(insert(
         &Schema::default(),
         conn,
         &effect_id,
@@ -225,7 +235,7 @@ pub async fn enqueue_with_id<'c>(
         None,
         message,
     )
-    .await
+    .await?)
 }
 
 async fn insert<'c>(
@@ -235,7 +245,7 @@ async fn insert<'c>(
     effect_name: &str,
     identity: Option<&MessageIdentity>,
     message: &OutboxMessage,
-) -> Result<Enqueued, InboxError> {
+) -> Result<Enqueued, sqlx::Error> {
     let names: Vec<&str> = message.headers.iter().map(|(n, _)| n.as_str()).collect();
     let values: Vec<&str> = message.headers.iter().map(|(_, v)| v.as_str()).collect();
     let sql = schema.sql(sql::ENQUEUE);
@@ -251,8 +261,7 @@ async fn insert<'c>(
         .bind(names)
         .bind(values)
         .execute(conn)
-        .await
-        .map_err(InboxError::classify)?;
+        .await?;
     Ok(Enqueued {
         effect_id: effect_id.clone(),
         inserted: result.rows_affected() == 1,
@@ -339,8 +348,8 @@ impl Outbox {
         identity: &MessageIdentity,
         effect_name: &str,
         message: &OutboxMessage,
-    ) -> Result<Enqueued, InboxError> {
-        enqueue_in(&self.schema, conn, identity, effect_name, message).await
+    ) -> Result<Enqueued, OutboxError> {
+        Ok(enqueue_in(&self.schema, conn, identity, effect_name, message).await?)
     }
 
     /// [`enqueue_with_id`], in this outbox's schema.
@@ -350,20 +359,20 @@ impl Outbox {
         effect_id: EffectId,
         effect_name: &str,
         message: &OutboxMessage,
-    ) -> Result<Enqueued, InboxError> {
-        insert(&self.schema, conn, &effect_id, effect_name, None, message).await
+    ) -> Result<Enqueued, OutboxError> {
+        Ok(insert(&self.schema, conn, &effect_id, effect_name, None, message).await?)
     }
 
     /// One effect's row.
-    pub async fn entry(&self, effect_id: &EffectId) -> Result<Option<OutboxEntry>, InboxError> {
+    pub async fn entry(&self, effect_id: &EffectId) -> Result<Option<OutboxEntry>, OutboxError> {
         let sql = self.schema.sql(sql::ENTRY);
         let row = sqlx::query(&sql)
             .bind(effect_id.as_str())
             .fetch_optional(&self.pool)
             .await
-            .map_err(InboxError::classify)?;
+            .map_err(OutboxError::from)?;
         let Some(row) = row else { return Ok(None) };
-        let get = InboxError::Database;
+        let get = OutboxError::Database;
         let status: String = row.try_get("status").map_err(get)?;
         Ok(Some(OutboxEntry {
             effect_id: EffectId(row.try_get("effect_id").map_err(get)?),

@@ -1,6 +1,6 @@
 //! The outbox statements, next to `migrations/20261204000002_outbox_quarantine.sql`.
 
-use crate::inbox::sql::utf8;
+use crate::sql::utf8;
 
 /// Writes an effect unless its ID is there already. The identity's names (`$3` to `$5`) are
 /// bound as UTF-8 bytes, like the inbox's; null for an effect without a message identity.

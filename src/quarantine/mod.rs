@@ -39,10 +39,15 @@ use sqlx::{PgPool, Row};
 use time::OffsetDateTime;
 
 use crate::identity::{bind_identity, MessageIdentity};
-use crate::inbox::InboxError;
 use crate::schema::Schema;
 
 mod sql;
+
+crate::db::database_error!(
+    /// A failure of the quarantine's database work.
+    QuarantineError,
+    "the quarantine"
+);
 
 /// Where a quarantined item came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -178,7 +183,7 @@ pub enum DecisionError {
     AlreadyDecided(i64),
     /// The database failed.
     #[error(transparent)]
-    Inbox(#[from] InboxError),
+    Quarantine(#[from] QuarantineError),
 }
 
 /// Lists and decides quarantined items.
@@ -208,7 +213,7 @@ impl Quarantine {
         &self,
         filter: QuarantineFilter,
         limit: i64,
-    ) -> Result<Vec<QuarantineItem>, InboxError> {
+    ) -> Result<Vec<QuarantineItem>, QuarantineError> {
         let sql = self.schema.sql(match filter {
             QuarantineFilter::Open => sql::LIST_OPEN,
             QuarantineFilter::AwaitingRecovery => sql::LIST_AWAITING_RECOVERY,
@@ -218,18 +223,18 @@ impl Quarantine {
             .bind(limit)
             .fetch_all(&self.pool)
             .await
-            .map_err(InboxError::classify)?;
+            .map_err(QuarantineError::from)?;
         rows.iter().map(item_from_row).collect()
     }
 
     /// One item.
-    pub async fn get(&self, id: i64) -> Result<Option<QuarantineItem>, InboxError> {
+    pub async fn get(&self, id: i64) -> Result<Option<QuarantineItem>, QuarantineError> {
         let sql = self.schema.sql(sql::GET);
         let row = sqlx::query(&sql)
             .bind(id)
             .fetch_optional(&self.pool)
             .await
-            .map_err(InboxError::classify)?;
+            .map_err(QuarantineError::from)?;
         row.as_ref().map(item_from_row).transpose()
     }
 
@@ -237,12 +242,12 @@ impl Quarantine {
     pub async fn for_identity(
         &self,
         identity: &MessageIdentity,
-    ) -> Result<Vec<QuarantineItem>, InboxError> {
+    ) -> Result<Vec<QuarantineItem>, QuarantineError> {
         let sql = self.schema.sql(sql::FOR_IDENTITY);
         let rows = bind_identity!(sqlx::query(&sql), &identity)
             .fetch_all(&self.pool)
             .await
-            .map_err(InboxError::classify)?;
+            .map_err(QuarantineError::from)?;
         rows.iter().map(item_from_row).collect()
     }
 
@@ -264,7 +269,7 @@ impl Quarantine {
         who: &str,
         why: &str,
     ) -> Result<(), DecisionError> {
-        let classify = |e| DecisionError::Inbox(InboxError::classify(e));
+        let classify = |e| DecisionError::Quarantine(QuarantineError::from(e));
         let mut tx = self.pool.begin().await.map_err(classify)?;
         let decide = self.schema.sql(sql::DECIDE);
         let decided: Option<(String, Option<String>)> = sqlx::query_as(&decide)
@@ -333,14 +338,14 @@ pub(crate) fn effect_item_key(effect_id: &str) -> String {
     format!("{}:{effect_id}", QuarantineSource::DeadEffect.as_str())
 }
 
-fn item_from_row(row: &PgRow) -> Result<QuarantineItem, InboxError> {
-    let get = InboxError::Database;
+fn item_from_row(row: &PgRow) -> Result<QuarantineItem, QuarantineError> {
+    let get = QuarantineError::Database;
     let source: String = row.try_get("source").map_err(get)?;
     let decision: Option<String> = row.try_get("decision").map_err(get)?;
     Ok(QuarantineItem {
         id: row.try_get("id").map_err(get)?,
         source: QuarantineSource::parse(&source).ok_or_else(|| {
-            InboxError::Database(sqlx::Error::Decode(
+            QuarantineError::Database(sqlx::Error::Decode(
                 format!("unknown quarantine source {source}").into(),
             ))
         })?,

@@ -1,6 +1,6 @@
 //! The quarantine's statements, next to `migrations/20261204000002_outbox_quarantine.sql`.
 
-use crate::inbox::sql::{key_is, utf8};
+use crate::sql::{key_is, utf8};
 
 /// An item's columns, in the order `item_from_row` reads them.
 macro_rules! item {

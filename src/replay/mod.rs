@@ -29,7 +29,7 @@
 //! ```no_run
 //! use tower_inbox::{producer::TrustedHeader, InboxLayer};
 //!
-//! # fn build(pool: sqlx::PgPool) -> Result<InboxLayer, tower_inbox::ConfigError> {
+//! # fn build(pool: sqlx::PgPool) -> Result<InboxLayer, tower_inbox::middleware::ConfigError> {
 //! // Version 2 of the credits service: commands that version 1 processed stay answered
 //! // from the record; new ones are processed (and recorded) by version 2.
 //! let layer = InboxLayer::builder(pool, "credits")
@@ -53,7 +53,9 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use tower_inbox::replay::ReplayPolicy;
-//! use tower_inbox::{Claim, Fingerprint, Inbox, MessageIdentity, MessageKey, Producer};
+//! use tower_inbox::{MessageIdentity, MessageKey, Producer};
+//! use tower_inbox::inbox::{Claim, Inbox};
+//! use tower_inbox::fingerprint::{Fingerprint};
 //!
 //! # async fn project(pool: sqlx::PgPool, id: &str, body: &[u8]) -> Result<(), Box<dyn std::error::Error>> {
 //! const VERSION: &str = "2";
@@ -110,7 +112,7 @@
 //! Use a versioned projection (a new identity, so the old records stay) or a compensated
 //! migration (new identities for the corrections) instead.
 //!
-//! [`Inbox`]: crate::Inbox
+//! [`Inbox`]: crate::inbox::Inbox
 
 mod migration;
 mod transient;
@@ -155,7 +157,7 @@ pub enum ConsumerNameError {
 impl ReplayPolicy {
     /// The consumer name claims are made under for `consumer` running `handler_version`.
     ///
-    /// A consumer that claims with [`Inbox`](crate::Inbox) directly calls this once at
+    /// A consumer that claims with [`Inbox`](crate::inbox::Inbox) directly calls this once at
     /// start-up and builds every [`MessageIdentity`](crate::MessageIdentity) with the result,
     /// exactly as the layer does.
     ///

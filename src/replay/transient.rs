@@ -9,14 +9,14 @@ use crate::inbox::{InboxError, RetryReason};
 ///
 /// The error type of a [`CompensatedMigration`](super::CompensatedMigration) step implements
 /// it, so that such a step is re-run under the migration's
-/// [`TransientRetry`](crate::TransientRetry) instead of failing. It is implemented for
+/// [`TransientRetry`](crate::inbox::TransientRetry) instead of failing. It is implemented for
 /// [`sqlx::Error`], [`InboxError`], boxed errors (looking through their
 /// [`source`](Error::source) chain for either) and [`Infallible`](std::convert::Infallible).
 /// For an error type of your own, answer from the `sqlx::Error` it wraps:
 ///
 /// ```
 /// use tower_inbox::replay::TransientError;
-/// use tower_inbox::RetryReason;
+/// use tower_inbox::inbox::RetryReason;
 ///
 /// #[derive(Debug)]
 /// enum FixError {

@@ -67,7 +67,9 @@ pub struct ExpiredMessage {
 /// ```no_run
 /// use std::time::Duration;
 /// use tower_inbox::retention::{GuardedClaim, RetentionGuard, RetentionPolicy};
-/// use tower_inbox::{Claim, Fingerprint, Inbox, MessageIdentity, MessageKey, Producer};
+/// use tower_inbox::{MessageIdentity, MessageKey, Producer};
+/// use tower_inbox::inbox::{Claim, Inbox};
+/// use tower_inbox::fingerprint::{Fingerprint};
 ///
 /// # async fn consume(pool: sqlx::PgPool, body: &[u8], produced_at: time::OffsetDateTime)
 /// # -> Result<(), Box<dyn std::error::Error>> {

@@ -1,4 +1,6 @@
 //! Deletes what the retention policies no longer require, in small batches.
+//!
+//! (Over 400 lines: the purger, its builder, its report and its batching loop, which share their settings.)
 
 use std::fmt;
 use std::future::Future;

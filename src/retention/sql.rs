@@ -162,7 +162,7 @@ mod tests {
     fn migration_steps_are_never_purged() {
         let kept = format!(
             "producer_name not like '{}%'",
-            crate::replay::MIGRATION_PRODUCER_PREFIX
+            crate::identity::RESERVED_PRODUCER_PREFIX
         );
         assert!(INBOX_COUNT.contains(&kept) && INBOX_DELETE.contains(&kept));
     }

@@ -230,7 +230,7 @@ pub async fn wait_until_a_lock_is_awaited(pool: &PgPool) {
 }
 
 /// Waits (bounded) until `claims` claims of `inbox` wait for an original in flight.
-pub async fn wait_until_waiting(inbox: &tower_inbox::Inbox, claims: usize) {
+pub async fn wait_until_waiting(inbox: &tower_inbox::inbox::Inbox, claims: usize) {
     for _ in 0..1000 {
         if inbox.waiting_claims() >= claims {
             return;
@@ -346,7 +346,7 @@ pub struct Gate {
     pub release: Arc<Notify>,
     pub status: Arc<std::sync::Mutex<StatusCode>>,
     /// The layer's inbox: how many duplicates wait for the original.
-    pub inbox: tower_inbox::Inbox,
+    pub inbox: tower_inbox::inbox::Inbox,
 }
 
 /// The credit route (consumer `credits`) behind a [`Gate`]d handler, which also counts its

@@ -8,7 +8,6 @@ use quick_cache::Weighter;
 use crate::fingerprint::Fingerprint;
 use crate::identity::MessageIdentity;
 use crate::inbox::InboxEntry;
-use crate::middleware::ConfigError;
 
 /// A bounded in-process cache of completed responses, so that a duplicate is answered
 /// without a database round trip.
@@ -28,7 +27,7 @@ use crate::middleware::ConfigError;
 /// the byte limit is close to the memory the cache takes. Memory stays flat however many commands pass.
 ///
 /// ```
-/// use tower_inbox::ReplayCache;
+/// use tower_inbox::middleware::ReplayCache;
 ///
 /// // At most 100 000 responses and 64 MiB.
 /// let cache = ReplayCache::new(100_000, 64 * 1024 * 1024).unwrap();
@@ -62,6 +61,11 @@ impl Weighter<MessageIdentity, Arc<Cached>> for ByWeight {
     }
 }
 
+/// [`ReplayCache::new`] was given a zero limit: the cache could hold nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the replay cache needs a positive entry and byte limit")]
+pub struct EmptyCache;
+
 /// The fixed memory an entry costs besides the bytes counted in [`ReplayCache::insert`]: the
 /// map's slot, the `Arc`, the copied identity, and the allocator's share of each
 /// allocation. Measured as resident memory (glibc malloc): 200 000 entries of a 65-byte body
@@ -74,11 +78,9 @@ const HEADER_OVERHEAD: u64 = 48;
 impl ReplayCache {
     /// A cache of at most `max_entries` responses and about `max_bytes` bytes; both must be
     /// positive.
-    pub fn new(max_entries: usize, max_bytes: u64) -> Result<Self, ConfigError> {
+    pub fn new(max_entries: usize, max_bytes: u64) -> Result<Self, EmptyCache> {
         if max_entries == 0 || max_bytes == 0 {
-            return Err(ConfigError::BadLimit(
-                "the replay cache needs a positive entry and byte limit",
-            ));
+            return Err(EmptyCache);
         }
         Ok(Self {
             entries: Arc::new(Cache::with_weighter(max_entries, max_bytes, ByWeight)),

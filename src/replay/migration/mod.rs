@@ -1,24 +1,28 @@
 //! Compensated migrations: corrections of past effects, each step claimed exactly once.
+//!
+//! (Over 400 lines: the step runner, its attempts and its conflict handling are one loop, read best in one place.)
 
-use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
 use metrics::Label;
-use serde::Serialize;
 use tracing::Instrument;
 
-use super::transient::TransientError;
-use crate::fingerprint::Fingerprint;
 use crate::identity::{is_consumer_name, is_handler_version};
 use crate::identity::{MessageIdentity, Producer};
 use crate::inbox::RetryReason;
-use crate::inbox::{Claim, ClaimedMessage, Inbox, InboxError};
+use crate::inbox::{Claim, ClaimedMessage, Inbox, InboxError, DEFAULT_IN_FLIGHT_WAIT};
 use crate::key::{KeyError, MessageKey};
 use crate::metrics::{count_with, MIGRATION_STEPS, TRANSACTION_RETRIES};
-use crate::middleware::DEFAULT_IN_FLIGHT_WAIT;
+use crate::replay::transient::TransientError;
 use crate::retry::TransientRetry;
+
+mod report;
+mod step;
+
+pub use report::{MigrationError, MigrationReport, StepRecord};
+pub use step::{MigrationStep, StepError, StepOutcome};
 
 /// What the producer name of a migration's steps starts with: the steps of migration `name`
 /// are claimed as producer `migration:<name>`.
@@ -64,7 +68,7 @@ pub const MIGRATION_PRODUCER_PREFIX: &str = crate::identity::RESERVED_PRODUCER_P
 /// use futures_util::FutureExt;
 /// use serde::Serialize;
 /// use tower_inbox::replay::{CompensatedMigration, MigrationStep};
-/// use tower_inbox::Inbox;
+/// use tower_inbox::inbox::Inbox;
 ///
 /// #[derive(Serialize)]
 /// struct MissingBonus {
@@ -185,254 +189,6 @@ impl CompensatedMigrationBuilder {
             retry: self.retry,
             in_flight_wait: self.in_flight_wait,
         })
-    }
-}
-
-/// One step of a migration: an operation ID and the input the step's function works from.
-///
-/// The input is fingerprinted: running the same operation ID again with an input that
-/// fingerprints differently is a [conflict](StepError::Conflict).
-#[derive(Debug, Clone)]
-pub struct MigrationStep<I> {
-    operation_id: MessageKey,
-    input: I,
-    fingerprint: Fingerprint,
-}
-
-impl<I: Serialize> MigrationStep<I> {
-    /// A step whose input is fingerprinted as canonical JSON (key order does not matter).
-    ///
-    /// ```
-    /// use tower_inbox::replay::MigrationStep;
-    /// let step = MigrationStep::new("bonus/app/7f1c", ("a1", 5)).unwrap();
-    /// assert_eq!(step.operation_id().as_str(), "bonus/app/7f1c");
-    /// assert!(MigrationStep::new("", ("a1", 5)).is_err());
-    /// ```
-    pub fn new(operation_id: impl AsRef<str>, input: I) -> Result<Self, MigrationDefinitionError> {
-        let operation_id = MessageKey::new(operation_id)?;
-        let json = serde_json::to_value(&input)
-            .map_err(|e| MigrationDefinitionError::UnserializableInput(e.to_string()))?;
-        Ok(Self {
-            operation_id,
-            fingerprint: Fingerprint::of_json(&json),
-            input,
-        })
-    }
-}
-
-impl<I: AsRef<[u8]>> MigrationStep<I> {
-    /// A step whose input is fingerprinted as the bytes it is.
-    ///
-    /// ```
-    /// use tower_inbox::replay::MigrationStep;
-    /// let step = MigrationStep::from_bytes("reindex/42", b"account=a1".to_vec()).unwrap();
-    /// assert_eq!(step.input(), b"account=a1");
-    /// ```
-    pub fn from_bytes(
-        operation_id: impl AsRef<str>,
-        input: I,
-    ) -> Result<Self, MigrationDefinitionError> {
-        let operation_id = MessageKey::new(operation_id)?;
-        Ok(Self {
-            operation_id,
-            fingerprint: Fingerprint::of_bytes(input.as_ref()),
-            input,
-        })
-    }
-}
-
-impl<I> MigrationStep<I> {
-    /// The operation ID: the message ID the step is claimed under.
-    pub fn operation_id(&self) -> &MessageKey {
-        &self.operation_id
-    }
-
-    /// The input.
-    pub fn input(&self) -> &I {
-        &self.input
-    }
-
-    /// The fingerprint of the input.
-    pub fn fingerprint(&self) -> Fingerprint {
-        self.fingerprint
-    }
-}
-
-/// What happened to a step that did not fail.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum StepOutcome<T> {
-    /// Committed now, with the function's writes.
-    Applied {
-        /// What the function returned.
-        value: T,
-        /// How many times the step ran, re-runs after transient failures included.
-        attempts: u32,
-    },
-    /// Committed before (by an earlier or a concurrent run): skipped, the function not run.
-    AlreadyApplied {
-        /// The handler version that applied it.
-        handler_version: String,
-    },
-}
-
-impl<T> StepOutcome<T> {
-    /// Whether the step was applied by this call.
-    pub fn is_applied(&self) -> bool {
-        matches!(self, Self::Applied { .. })
-    }
-
-    fn label(&self) -> &'static str {
-        match self {
-            Self::Applied { .. } => "applied",
-            Self::AlreadyApplied { .. } => "already-applied",
-        }
-    }
-
-    fn without_value(self) -> StepOutcome<()> {
-        match self {
-            Self::Applied { attempts, .. } => StepOutcome::Applied {
-                value: (),
-                attempts,
-            },
-            Self::AlreadyApplied { handler_version } => {
-                StepOutcome::AlreadyApplied { handler_version }
-            }
-        }
-    }
-}
-
-/// Why a step was not applied. Nothing of the step committed, except as said for
-/// [`Inbox`](Self::Inbox).
-#[derive(Debug)]
-pub enum StepError<E> {
-    /// The step's function returned an error (a transient one after the re-runs ran out);
-    /// the step rolled back entirely and can be run again.
-    Failed(E),
-    /// The operation ID was applied before with a different input. The original is
-    /// untouched; the conflict is kept in the [quarantine](crate::quarantine).
-    Conflict {
-        /// The fingerprint of the input that applied it, in hex.
-        recorded_sha256: String,
-        /// The fingerprint of the refused input, in hex.
-        input_sha256: String,
-    },
-    /// The step's function returned normally, but a statement it ran through the claimed
-    /// message failed with a serialization failure or deadlock (or it asked for a re-run with
-    /// [`ClaimedMessage::request_retry`]) on every attempt; the step rolled back entirely and
-    /// can be run again.
-    Rerun(RetryReason),
-    /// Another runner holds the step and did not finish within the wait; run again later.
-    InProgress,
-    /// The inbox's own database work failed. If the commit failed the outcome is unknown
-    /// (the server may have committed before the connection broke): run the migration again,
-    /// and the step is either skipped or applied.
-    Inbox(InboxError),
-}
-
-impl<E> StepError<E> {
-    fn label(&self) -> &'static str {
-        match self {
-            Self::Failed(_) => "failed",
-            Self::Conflict { .. } => "conflict",
-            Self::Rerun(_) => "rerun-exhausted",
-            Self::InProgress => "in-progress",
-            Self::Inbox(_) => "database-error",
-        }
-    }
-}
-
-impl<E: fmt::Display> fmt::Display for StepError<E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Failed(err) => write!(f, "the step failed and was rolled back: {err}"),
-            Self::Conflict { .. } => f.write_str(
-                "the operation ID was already applied with a different input; the original is untouched",
-            ),
-            Self::Rerun(reason) => write!(
-                f,
-                "the step kept failing with {reason} and was rolled back each time"
-            ),
-            Self::InProgress => f.write_str("another runner is applying the step"),
-            Self::Inbox(err) => err.fmt(f),
-        }
-    }
-}
-
-impl<E: fmt::Debug + fmt::Display> std::error::Error for StepError<E> {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Self::Inbox(err) => Some(err),
-            _ => None,
-        }
-    }
-}
-
-/// One step of a run, as the [`MigrationReport`] lists it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StepRecord {
-    /// The step's operation ID.
-    pub operation_id: MessageKey,
-    /// Applied now or skipped.
-    pub outcome: StepOutcome<()>,
-}
-
-/// What a run of a migration did, step by step, in order.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MigrationReport {
-    migration: String,
-    steps: Vec<StepRecord>,
-}
-
-impl MigrationReport {
-    /// The migration's name.
-    pub fn migration(&self) -> &str {
-        &self.migration
-    }
-
-    /// Every step the run went through, in order.
-    pub fn steps(&self) -> &[StepRecord] {
-        &self.steps
-    }
-
-    /// How many steps this run applied.
-    pub fn applied(&self) -> usize {
-        self.steps.iter().filter(|s| s.outcome.is_applied()).count()
-    }
-
-    /// How many steps this run skipped because they were applied before.
-    pub fn skipped(&self) -> usize {
-        self.steps.len() - self.applied()
-    }
-}
-
-/// A run that stopped at a step: the steps before it are in `report` (they stay applied),
-/// the steps after it did not run. Fix the cause and run the migration again.
-#[derive(Debug)]
-pub struct MigrationError<E> {
-    /// The steps that went through before the failing one.
-    pub report: MigrationReport,
-    /// The failing step's operation ID.
-    pub operation_id: MessageKey,
-    /// Why it failed.
-    pub error: StepError<E>,
-}
-
-impl<E: fmt::Display> fmt::Display for MigrationError<E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "migration {} stopped at step {} after {} steps: {}",
-            self.report.migration,
-            self.operation_id,
-            self.report.steps.len(),
-            self.error
-        )
-    }
-}
-
-impl<E: fmt::Debug + fmt::Display + 'static> std::error::Error for MigrationError<E> {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.error)
     }
 }
 

@@ -36,7 +36,7 @@ pub const DEFAULT_REJECTIONS: [StatusCode; 10] = [
 ///
 /// ```
 /// use http::StatusCode;
-/// use tower_inbox::{Outcome, OutcomePolicy};
+/// use tower_inbox::middleware::{Outcome, OutcomePolicy};
 ///
 /// let policy = OutcomePolicy::default()
 ///     // our 404 means "account closed", a business answer worth recording

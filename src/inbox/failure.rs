@@ -1,0 +1,96 @@
+//! Attempts that did not commit: counted per key, and quarantined past the limit.
+
+use super::{sql, Inbox, InboxError};
+use crate::fingerprint::Fingerprint;
+use crate::identity::{bind_identity, MessageIdentity};
+use crate::metrics::{self as m, quarantine_moved};
+use crate::quarantine::{identity_item_key, QuarantineSource};
+
+impl Inbox {
+    /// Counts an attempt at `identity` that rolled back, with a stable reason code, in a
+    /// transaction of its own. From the `quarantine_after`th failure on, the command also has
+    /// an open [quarantine](crate::quarantine) item; its id is returned.
+    ///
+    /// `reason` is also the `reason` label of
+    /// [`inbox_handler_failures_total`](crate::metrics::HANDLER_FAILURES): use a code from a
+    /// small fixed set (`handler-error`, `validation-failed`, ...), never text from the
+    /// message, or the metric grows a series per message.
+    pub async fn record_failure(
+        &self,
+        identity: &MessageIdentity,
+        fingerprint: Fingerprint,
+        handler_version: &str,
+        reason: &str,
+        quarantine_after: u32,
+    ) -> Result<Option<i64>, InboxError> {
+        m::count_with(
+            m::HANDLER_FAILURES,
+            &self.labels.of_consumer(identity.consumer()),
+            "reason",
+            reason,
+        );
+        let item_key = identity_item_key(QuarantineSource::HandlerFailure, identity, "");
+        let sql = self.schema.sql(sql::RECORD_FAILURE);
+        let item: Option<(i64, bool)> = bind_identity!(sqlx::query_as(&sql), identity)
+            .bind(fingerprint.to_hex())
+            .bind(handler_version.as_bytes())
+            .bind(reason.as_bytes())
+            .bind(i32::try_from(quarantine_after.max(1)).unwrap_or(i32::MAX))
+            .bind(item_key.as_bytes())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.failed(identity.consumer(), e))?;
+        if let Some((_, true)) = item {
+            quarantine_moved(QuarantineSource::HandlerFailure);
+        }
+        Ok(item.map(|(id, _)| id))
+    }
+
+    /// Keeps an identity conflict (`identity` claimed before with another payload) in the
+    /// [quarantine](crate::quarantine): one open item per conflicting payload, counted.
+    pub async fn record_conflict(
+        &self,
+        identity: &MessageIdentity,
+        conflicting: Fingerprint,
+        handler_version: &str,
+    ) -> Result<(), InboxError> {
+        self.quarantine_message(
+            QuarantineSource::IdentityConflict,
+            "payload-mismatch",
+            identity,
+            conflicting,
+            handler_version,
+        )
+        .await
+        .map(|_| ())
+    }
+
+    /// Opens (or counts again) the quarantine item of `source` about a message, with the
+    /// fingerprint of the payload concerned. Returns the item and how many times it has
+    /// happened.
+    pub(crate) async fn quarantine_message(
+        &self,
+        source: QuarantineSource,
+        reason_code: &str,
+        identity: &MessageIdentity,
+        fingerprint: Fingerprint,
+        handler_version: &str,
+    ) -> Result<(i64, i32), InboxError> {
+        let sha = fingerprint.to_hex();
+        let item_key = identity_item_key(source, identity, &sha);
+        let sql = self.schema.sql(sql::QUARANTINE_MESSAGE);
+        let (id, attempts): (i64, i32) = bind_identity!(sqlx::query_as(&sql), identity)
+            .bind(source.as_str())
+            .bind(item_key.as_bytes())
+            .bind(&sha)
+            .bind(reason_code.as_bytes())
+            .bind(handler_version.as_bytes())
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.failed(identity.consumer(), e))?;
+        if attempts == 1 {
+            quarantine_moved(source);
+        }
+        Ok((id, attempts))
+    }
+}
