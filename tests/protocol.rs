@@ -18,7 +18,7 @@ use common::{
 };
 use sqlx::postgres::PgPoolOptions;
 use tokio::sync::Notify;
-use tower_inbox::middleware::ReplayHeaders;
+use tower_inbox::middleware::{ProducerMissingStatus, ReplayHeaders};
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::{InboxLayer, InboxLayerBuilder, InboxTx};
 
@@ -190,7 +190,7 @@ async fn a_missing_producer_scope_is_refused() {
     assert_eq!(reply.status, StatusCode::UNAUTHORIZED);
     assert_eq!(reply.problem_type(), "producer-missing");
 
-    let router = app.credits_with(|b| b.producer_missing_status(StatusCode::BAD_REQUEST));
+    let router = app.credits_with(|b| b.producer_missing_status(ProducerMissingStatus::BadRequest));
     let reply = send(&router, credit("a1", Some("k"), None, 5)).await;
     assert_eq!(reply.status, StatusCode::BAD_REQUEST);
     assert_eq!(reply.problem_type(), "producer-missing");
@@ -770,19 +770,16 @@ async fn migrations_run_twice_and_the_config_is_checked() {
     tower_inbox::migrate(&app.pool)
         .await
         .expect("second run is a no-op");
-    let missing_scope = InboxLayer::builder(app.pool.clone(), "c").build();
-    assert_eq!(
-        missing_scope.err(),
-        Some(tower_inbox::middleware::ConfigError::NoProducerScope)
-    );
-    let bad_status = InboxLayer::builder(app.pool.clone(), "c")
+    // A missing producer scope and a status outside the protocol cannot be written (see the
+    // compile_fail example of InboxLayer::builder); the limits are checked at build.
+    let bad_limit = InboxLayer::builder(app.pool.clone(), "c")
         .producer(TrustedHeader::new("x-producer"))
-        .mismatch_status(StatusCode::OK)
+        .quarantine_after(0)
         .build();
-    assert!(matches!(
-        bad_status,
-        Err(tower_inbox::middleware::ConfigError::BadStatus(_))
-    ));
+    let Err(tower_inbox::middleware::ConfigError::BadLimit(why)) = bad_limit else {
+        panic!("a zero quarantine_after was accepted");
+    };
+    assert!(why.contains("quarantine_after"), "{why}");
     let bad_consumer = InboxLayer::builder(app.pool.clone(), "")
         .producer(TrustedHeader::new("x-producer"))
         .build();

@@ -310,7 +310,9 @@ async fn same_id_with_a_different_payload() {
 #[tokio::test]
 async fn mismatch_status_can_be_422() {
     let app = TestApp::new().await;
-    let router = app.credits_with(|b| b.mismatch_status(StatusCode::UNPROCESSABLE_ENTITY));
+    let router = app.credits_with(|b| {
+        b.mismatch_status(tower_inbox::middleware::MismatchStatus::UnprocessableContent)
+    });
     send(&router, credit("acct", Some("k"), Some("app"), 1)).await;
     let conflict = send(&router, credit("acct", Some("k"), Some("app"), 2)).await;
     assert_eq!(conflict.status, StatusCode::UNPROCESSABLE_ENTITY);

@@ -37,12 +37,24 @@ pub struct InboxLayer {
 impl InboxLayer {
     /// Starts a layer for the consumer `consumer` (the name of what applies the commands, part
     /// of every message identity) over `pool`.
-    pub fn builder(pool: PgPool, consumer: impl Into<String>) -> InboxLayerBuilder {
+    ///
+    /// The builder has no [`build`](InboxLayerBuilder::build) until a
+    /// [`producer`](InboxLayerBuilder::producer) scope is set: there is deliberately no
+    /// default, as any default would let one client read another's recorded responses, or
+    /// refuse every request.
+    ///
+    /// ```compile_fail
+    /// # fn f(pool: sqlx::PgPool) {
+    /// // error[E0599]: no method named `build` found for `InboxLayerBuilder<NeedsProducer>`
+    /// let layer = tower_inbox::InboxLayer::builder(pool, "orders").build();
+    /// # }
+    /// ```
+    pub fn builder(pool: PgPool, consumer: impl Into<String>) -> InboxLayerBuilder<NeedsProducer> {
         InboxLayerBuilder {
             pool,
             consumer: consumer.into(),
-            producer: None,
-            producer_missing_status: StatusCode::UNAUTHORIZED,
+            producer: NeedsProducer,
+            producer_missing_status: ProducerMissingStatus::default(),
             guarded_methods: vec![Method::POST, Method::PATCH],
             key_header: IDEMPOTENCY_KEY,
             key_required: true,
@@ -51,7 +63,7 @@ impl InboxLayer {
             response_limit: DEFAULT_RESPONSE_LIMIT,
             in_flight_wait: DEFAULT_IN_FLIGHT_WAIT,
             retry_after_secs: 1,
-            mismatch_status: StatusCode::CONFLICT,
+            mismatch_status: MismatchStatus::default(),
             outcome: OutcomePolicy::default(),
             handler_version: "1".to_owned(),
             fingerprint: FingerprintStrategy::default(),
@@ -103,10 +115,6 @@ impl<S> Layer<S> for InboxLayer {
 /// A setting the layer cannot work with.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ConfigError {
-    /// No [`ProducerScope`] was set. There is deliberately no default: any default would let
-    /// one client read another's recorded responses, or refuse every request.
-    #[error("no producer scope: call .producer(...) with FromExtension, TrustedHeader or ConstantProducer")]
-    NoProducerScope,
     /// The consumer name is not 1 to 255 bytes of ASCII letters, digits and `-`, `_`, `.`,
     /// `:`, `/`, `@`.
     #[error("the consumer name must be 1 to 255 bytes of ASCII letters, digits and '-', '_', '.', ':', '/', '@' (with '@' and the version, for a versioned projection)")]
@@ -115,12 +123,61 @@ pub enum ConfigError {
     /// [`ReplayPolicy::VersionedProjection`].
     #[error("the handler version must be 1 to 255 visible ASCII characters ('!' to '~'), without '@' for a versioned projection")]
     BadHandlerVersion,
-    /// A limit is zero, or the key limit is over 255.
+    /// A limit is zero, or the key limit is over 255: which setting, and what it must be.
     #[error("bad limit: {0}")]
     BadLimit(&'static str),
-    /// The mismatch or producer-missing status is not one the protocol allows.
-    #[error("bad status: {0}")]
-    BadStatus(&'static str),
+}
+
+/// The [`InboxLayerBuilder`] before a producer scope is set: it has no `build` yet.
+#[derive(Debug, Clone, Copy)]
+pub struct NeedsProducer;
+
+/// The [`InboxLayerBuilder`] with its producer scope: it can be built.
+#[derive(Clone)]
+pub struct HasProducer(Arc<dyn ProducerScope>);
+
+impl std::fmt::Debug for HasProducer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("HasProducer").finish_non_exhaustive()
+    }
+}
+
+/// The status of a request whose producer scope is not available.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ProducerMissingStatus {
+    /// `401 Unauthorized` (the default): the client did not authenticate.
+    #[default]
+    Unauthorized,
+    /// `400 Bad Request`: for scopes that read a header any client may send.
+    BadRequest,
+}
+
+impl ProducerMissingStatus {
+    fn status(self) -> StatusCode {
+        match self {
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::BadRequest => StatusCode::BAD_REQUEST,
+        }
+    }
+}
+
+/// The status of a duplicate whose payload differs from the original's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MismatchStatus {
+    /// `409 Conflict` (the default).
+    #[default]
+    Conflict,
+    /// `422 Unprocessable Content`, the IETF Idempotency-Key draft's choice.
+    UnprocessableContent,
+}
+
+impl MismatchStatus {
+    fn status(self) -> StatusCode {
+        match self {
+            Self::Conflict => StatusCode::CONFLICT,
+            Self::UnprocessableContent => StatusCode::UNPROCESSABLE_ENTITY,
+        }
+    }
 }
 
 /// Configures an [`InboxLayer`]. Every setting has a safe default except the producer scope.
@@ -139,11 +196,11 @@ pub enum ConfigError {
 /// # Ok(layer) }
 /// ```
 #[must_use]
-pub struct InboxLayerBuilder {
+pub struct InboxLayerBuilder<P = HasProducer> {
     pool: PgPool,
     consumer: String,
-    producer: Option<Arc<dyn ProducerScope>>,
-    producer_missing_status: StatusCode,
+    producer: P,
+    producer_missing_status: ProducerMissingStatus,
     guarded_methods: Vec<Method>,
     key_header: HeaderName,
     key_required: bool,
@@ -152,7 +209,7 @@ pub struct InboxLayerBuilder {
     response_limit: usize,
     in_flight_wait: Duration,
     retry_after_secs: u32,
-    mismatch_status: StatusCode,
+    mismatch_status: MismatchStatus,
     outcome: OutcomePolicy,
     handler_version: String,
     fingerprint: FingerprintStrategy,
@@ -170,7 +227,7 @@ pub struct InboxLayerBuilder {
     waiting_keys_limit: Option<usize>,
 }
 
-impl InboxLayerBuilder {
+impl<P> InboxLayerBuilder<P> {
     /// How many in-flight keys the layer waits on at once (default: a quarter of the pool's
     /// connections, at least one). However many duplicates of one in-flight command
     /// arrive, one of them polls the database for it (one pooled connection, only while a
@@ -291,13 +348,42 @@ impl InboxLayerBuilder {
     }
 
     /// Where the producer scope comes from (required). See [`crate::producer`].
-    pub fn producer(mut self, scope: impl ProducerScope) -> Self {
-        self.producer = Some(Arc::new(scope));
-        self
+    pub fn producer(self, scope: impl ProducerScope) -> InboxLayerBuilder<HasProducer> {
+        let producer = HasProducer(Arc::new(scope));
+        InboxLayerBuilder {
+            pool: self.pool,
+            consumer: self.consumer,
+            producer,
+            producer_missing_status: self.producer_missing_status,
+            guarded_methods: self.guarded_methods,
+            key_header: self.key_header,
+            key_required: self.key_required,
+            max_key_len: self.max_key_len,
+            body_limit: self.body_limit,
+            response_limit: self.response_limit,
+            in_flight_wait: self.in_flight_wait,
+            retry_after_secs: self.retry_after_secs,
+            mismatch_status: self.mismatch_status,
+            outcome: self.outcome,
+            handler_version: self.handler_version,
+            fingerprint: self.fingerprint,
+            quarantine_after: self.quarantine_after,
+            replay_policy: self.replay_policy,
+            isolation: self.isolation,
+            transient_retry: self.transient_retry,
+            metric_labels: self.metric_labels,
+            claim_mode: self.claim_mode,
+            replay_cache: self.replay_cache,
+            replay_headers: self.replay_headers,
+            on_problem: self.on_problem,
+            lookup_before_claim: self.lookup_before_claim,
+            schema: self.schema,
+            waiting_keys_limit: self.waiting_keys_limit,
+        }
     }
 
     /// The status when the producer scope is not available: `401` (default) or `400`.
-    pub fn producer_missing_status(mut self, status: StatusCode) -> Self {
+    pub fn producer_missing_status(mut self, status: ProducerMissingStatus) -> Self {
         self.producer_missing_status = status;
         self
     }
@@ -357,7 +443,7 @@ impl InboxLayerBuilder {
 
     /// The status for a key reused with a different payload: `409` (default) or `422` (the
     /// IETF draft's choice).
-    pub fn mismatch_status(mut self, status: StatusCode) -> Self {
+    pub fn mismatch_status(mut self, status: MismatchStatus) -> Self {
         self.mismatch_status = status;
         self
     }
@@ -379,10 +465,13 @@ impl InboxLayerBuilder {
         self.fingerprint = strategy;
         self
     }
+}
 
-    /// Checks the settings and builds the layer.
+impl InboxLayerBuilder<HasProducer> {
+    /// Checks the settings and builds the layer: the consumer name, the handler version and
+    /// the limits are checked here, and an error names the setting.
     pub fn build(self) -> Result<InboxLayer, ConfigError> {
-        let producer = self.producer.ok_or(ConfigError::NoProducerScope)?;
+        let producer = self.producer.0;
         let consumer = self
             .replay_policy
             .consumer_name(&self.consumer, &self.handler_version)
@@ -404,17 +493,6 @@ impl InboxLayerBuilder {
                 "recorded_response_limit must be positive",
             ));
         }
-        if ![StatusCode::CONFLICT, StatusCode::UNPROCESSABLE_ENTITY].contains(&self.mismatch_status)
-        {
-            return Err(ConfigError::BadStatus("mismatch_status must be 409 or 422"));
-        }
-        if ![StatusCode::UNAUTHORIZED, StatusCode::BAD_REQUEST]
-            .contains(&self.producer_missing_status)
-        {
-            return Err(ConfigError::BadStatus(
-                "producer_missing_status must be 401 or 400",
-            ));
-        }
         if self.waiting_keys_limit == Some(0) {
             return Err(ConfigError::BadLimit("waiting_keys_limit must be positive"));
         }
@@ -433,7 +511,7 @@ impl InboxLayerBuilder {
                 inbox,
                 consumer: consumer.into(),
                 producer,
-                producer_missing_status: self.producer_missing_status,
+                producer_missing_status: self.producer_missing_status.status(),
                 guarded_methods: self.guarded_methods,
                 key_header: self.key_header,
                 key_required: self.key_required,
@@ -442,7 +520,7 @@ impl InboxLayerBuilder {
                 response_limit: self.response_limit,
                 in_flight_wait: self.in_flight_wait,
                 retry_after_secs: self.retry_after_secs,
-                mismatch_status: self.mismatch_status,
+                mismatch_status: self.mismatch_status.status(),
                 outcome: self.outcome,
                 handler_version: self.handler_version.into(),
                 fingerprint: self.fingerprint,

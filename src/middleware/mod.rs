@@ -37,7 +37,7 @@ pub use config::{
     MakeProblem, DEFAULT_BODY_LIMIT, DEFAULT_RESPONSE_LIMIT, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED,
 };
 pub use future::ResponseFuture;
-pub use layer::ConfigError;
+pub use layer::{ConfigError, HasProducer, MismatchStatus, NeedsProducer, ProducerMissingStatus};
 pub use outcome::{Outcome, OutcomePolicy, DEFAULT_REJECTIONS};
 pub use replay_headers::ReplayHeaders;
 pub use service::InboxService;
