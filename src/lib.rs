@@ -79,6 +79,7 @@
 //! |---|---|
 //! | the root | what every user touches: [`InboxLayer`] and its builder, the [`InboxTx`] extractor, [`migrate`], and the identity types [`MessageIdentity`], [`MessageKey`], [`Producer`] |
 //! | [`middleware`] | the rest of the Tower adapter: [`InboxService`](middleware::InboxService), the [`OutcomePolicy`](middleware::OutcomePolicy), the [`ReplayCache`](middleware::ReplayCache), the builder's [`ConfigError`](middleware::ConfigError) |
+//! | [`consumer`] | broker consumers: one call runs the protocol for a delivered message and says whether to ack, retry or reject |
 //! | [`inbox`] | the protocol core, without HTTP: [`Inbox`](inbox::Inbox), [`Claim`](inbox::Claim), [`ClaimedMessage`](inbox::ClaimedMessage), re-runs ([`TransientRetry`](inbox::TransientRetry), [`RetryReason`](inbox::RetryReason)) |
 //! | [`fingerprint`] | what makes two payloads the same command |
 //! | [`producer`] | where the producer's identity comes from ([`ProducerScope`](producer::ProducerScope)) |
@@ -95,6 +96,7 @@
 #![warn(missing_docs)]
 
 pub mod body;
+pub mod consumer;
 mod db;
 mod extract;
 pub mod fingerprint;

@@ -10,7 +10,7 @@ use super::attempt::discard;
 use super::handler::Services;
 use super::{consumer_labels, Command, Step};
 use crate::extract::TxSlot;
-use crate::inbox::{Claim, ClaimMode, InboxEntry, RetryReason};
+use crate::inbox::{Claim, ClaimMode, InboxEntry, Reruns, RetryReason};
 use crate::metrics as m;
 use crate::problem::{Problem, ProblemKind};
 
@@ -30,15 +30,9 @@ impl Command {
             tracing::Span::current().record("outcome", outcome);
             return Ok(response);
         }
-        let retry = self.config.transient_retry;
-        // A lost connection reruns on another one. After a restart every idle connection of
-        // the pool is dead, and each fails (and is closed) once, however many a run meets in
-        // a row: such reruns get the pool's size on top of the bound.
-        let connection_budget = retry
-            .max_attempts()
-            .saturating_add(self.config.inbox.pool().options().get_max_connections());
+        let mut reruns = Reruns::new(self.config.transient_retry, self.config.inbox.pool());
         let mut services = Services::new(inner);
-        let (mut attempt, mut conflicts, mut lost) = (1, 0, 0);
+        let mut attempt = 1;
         loop {
             let (reason, ran_handler, commit_in_flight) =
                 match self.attempt(&mut services, attempt).await? {
@@ -52,30 +46,20 @@ impl Command {
                         commit_in_flight,
                     } => (reason, ran_handler, commit_in_flight),
                 };
-            if reason == RetryReason::ConnectionLost {
-                lost += 1;
-                if lost >= connection_budget {
-                    return Ok(self.connection_lost(lost, commit_in_flight));
-                }
-            } else {
-                conflicts += 1;
-                if conflicts >= retry.max_attempts() {
-                    return Ok(self
-                        .conflicts_exhausted(reason, conflicts, ran_handler)
-                        .await);
-                }
-            }
+            let Some(delay) = reruns.next(reason) else {
+                return Ok(if reason == RetryReason::ConnectionLost {
+                    self.connection_lost(reruns.lost(), commit_in_flight)
+                } else {
+                    self.conflicts_exhausted(reason, reruns.conflicts(), ran_handler)
+                        .await
+                });
+            };
             m::count_with(
                 m::TRANSACTION_RETRIES,
                 &consumer_labels(&self.config),
                 "reason",
                 reason.as_str(),
             );
-            let delay = retry.delay(if reason == RetryReason::ConnectionLost {
-                lost.min(retry.max_attempts())
-            } else {
-                conflicts
-            });
             tracing::info!(%reason, attempt, ?delay, "transaction rolled back; running it again");
             tokio::time::sleep(delay).await;
             attempt += 1;
