@@ -244,7 +244,29 @@ where
             "account_id must be 1 to 128 bytes",
         ));
     }
-    let balance: Result<i64, sqlx::Error> = sqlx::query_scalar(
+    match credit_rows(conn, account_id, delta, identity).await {
+        Ok(balance) => Ok(balance),
+        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22003") => Err(problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "the balance would overflow",
+        )),
+        Err(e) => Err(server_error(e)),
+    }
+}
+
+/// The credit's business writes, on the claimed transaction: the account upserted and one
+/// ledger row naming the command. Returns the new balance. Shared by the HTTP service and
+/// the broker consumer (`examples/credits_consumer.rs`).
+pub async fn credit_rows<C>(
+    conn: &mut C,
+    account_id: &str,
+    delta: i64,
+    identity: &MessageIdentity,
+) -> Result<i64, sqlx::Error>
+where
+    for<'c> &'c mut C: sqlx::Executor<'c, Database = sqlx::Postgres>,
+{
+    let balance: i64 = sqlx::query_scalar(
         "insert into credit_account (account_id, balance) values ($1, $2)
          on conflict (account_id) do update set balance = credit_account.balance + excluded.balance
          returning balance",
@@ -252,18 +274,8 @@ where
     .bind(account_id)
     .bind(delta)
     .fetch_one(&mut *conn)
-    .await;
-    let balance = match balance {
-        Ok(balance) => balance,
-        Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("22003") => {
-            return Err(problem(
-                StatusCode::UNPROCESSABLE_ENTITY,
-                "the balance would overflow",
-            ));
-        }
-        Err(e) => return Err(server_error(e)),
-    };
-    let ledger = sqlx::query(
+    .await?;
+    sqlx::query(
         "insert into credit_ledger
              (account_id, delta, balance_after, consumer_name, producer_name, message_id)
          values ($1, $2, $3, $4, $5, $6)",
@@ -275,11 +287,8 @@ where
     .bind(identity.producer().name())
     .bind(identity.message_id().as_str())
     .execute(&mut *conn)
-    .await;
-    match ledger {
-        Ok(_) => Ok(balance),
-        Err(e) => Err(server_error(e)),
-    }
+    .await?;
+    Ok(balance)
 }
 
 /// The consumer name the unprotected baseline writes its ledger rows under.

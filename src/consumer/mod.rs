@@ -61,6 +61,8 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "nats")]
+pub mod nats;
 mod outcome;
 
 use std::sync::Arc;
@@ -462,7 +464,7 @@ impl ConsumerBuilder {
 
     /// Refuse first-seen messages produced before `policy`'s window (those that carry a
     /// production time, [`Incoming::produced_at`]); see
-    /// [`RetentionGuard`](crate::retention::RetentionGuard).
+    /// [`RetentionGuard`].
     pub fn retention(mut self, policy: RetentionPolicy) -> Self {
         self.retention = Some(policy);
         self

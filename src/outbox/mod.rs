@@ -65,6 +65,8 @@
 mod dispatcher;
 #[cfg(feature = "outbox-http")]
 mod http;
+#[cfg(feature = "nats")]
+mod nats;
 mod sql;
 mod transport;
 
@@ -81,6 +83,8 @@ use crate::schema::Schema;
 pub use dispatcher::{DispatchReport, Dispatcher, DispatcherBuilder, DispatcherConfigError};
 #[cfg(feature = "outbox-http")]
 pub use http::HttpTransport;
+#[cfg(feature = "nats")]
+pub use nats::NatsTransport;
 pub use transport::{Delivery, Transport};
 
 crate::db::database_error!(

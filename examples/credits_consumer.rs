@@ -1,0 +1,251 @@
+//! The credits service consuming commands from a broker: NATS JetStream by default.
+//!
+//! ```sh
+//! cargo run --example credits_consumer --features nats
+//! nats pub credits.commands.a1 '{"delta": 10}' -H Nats-Msg-Id:c-1 -H X-Producer:app
+//! ```
+//!
+//! Same database and tables as `examples/credits.rs` (`DATABASE_URL`, else the local server,
+//! else a throwaway cluster), consumer name `credits-worker`:
+//!
+//! - `NATS_URL` (default `nats://127.0.0.1:4222`). Stream `CREDITS` (subjects
+//!   `credits.commands.>`) and its durable pull consumer `credits-worker`, and stream
+//!   `CREDITS_EVENTS` (subjects `credits.events.>`), each created if missing and used as it
+//!   is otherwise: operators own their stream settings.
+//! - A command is a message on `credits.commands.<account_id>` with body `{"delta": <integer>}`
+//!   and headers `Nats-Msg-Id` (the message ID) and `X-Producer` (the producer). It credits the
+//!   account and writes one ledger row, as the HTTP service does, and publishes one event
+//!   through the outbox to `credits.events.<account_id>`, body
+//!   `{"account_id", "delta", "balance"}`, `Nats-Msg-Id` = the effect's ID.
+//! - A body that is not such a command fails; after three failed deliveries it is kept in the
+//!   quarantine and terminated, without holding up later messages. The same message ID with
+//!   another body is a conflict: not applied, terminated, kept in the quarantine.
+//! - One log line per message at info; nothing over HTTP. SIGTERM or Ctrl-C stops it after
+//!   the message in hand.
+//!
+//! `CREDITS_BROKER=amqp` consumes from RabbitMQ instead (feature `amqp`).
+
+// Shared with the HTTP example, which uses the parts this one does not.
+#[allow(dead_code)]
+#[path = "credits/app.rs"]
+mod app;
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull, stream};
+use futures_util::{FutureExt, StreamExt};
+use serde::Deserialize;
+use tower_inbox::consumer::nats::{max_ack_pending, Handled, NatsConsumer};
+use tower_inbox::consumer::{Consumer, Processed};
+use tower_inbox::inbox::ClaimedMessage;
+use tower_inbox::outbox::{Dispatcher, NatsTransport, OutboxMessage};
+use tracing_subscriber::EnvFilter;
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// The consumer name in every identity, shared by both brokers.
+const CONSUMER: &str = "credits-worker";
+
+/// A startup failure is one line naming the culprit, then exit status 1.
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+    match run().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("credits_consumer: {err}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), Error> {
+    let pool = app::connect(16).await?;
+    app::prepare(&pool).await?;
+    let consumer = Consumer::builder(pool.clone(), CONSUMER).build()?;
+    match std::env::var("CREDITS_BROKER").as_deref() {
+        Ok("nats") | Err(_) => consume_nats(pool, consumer).await,
+        Ok("amqp") => Err(
+            "CREDITS_BROKER=amqp needs the RabbitMQ adapter, which is not in this build yet".into(),
+        ),
+        Ok(other) => Err(format!("CREDITS_BROKER is {other:?}: use nats or amqp").into()),
+    }
+}
+
+/// A command's body.
+#[derive(Deserialize)]
+struct Command {
+    delta: i64,
+}
+
+/// Why a message is not a command: a handler error, counted toward the quarantine.
+#[derive(Debug, thiserror::Error)]
+enum BadCommand {
+    #[error("the subject names no account")]
+    NoAccount,
+    #[error("the body is not {{\"delta\": <integer>}}")]
+    Body,
+    #[error(transparent)]
+    Database(#[from] sqlx::Error),
+    #[error(transparent)]
+    Outbox(#[from] tower_inbox::inbox::InboxError),
+}
+
+/// The command's business writes and its event, on the claimed transaction.
+async fn apply(
+    message: &mut ClaimedMessage,
+    account: Option<&str>,
+    body: &[u8],
+) -> Result<i64, BadCommand> {
+    let account = account
+        .filter(|a| !a.is_empty() && a.len() <= 128)
+        .ok_or(BadCommand::NoAccount)?;
+    let Command { delta } = serde_json::from_slice(body).map_err(|_| BadCommand::Body)?;
+    let identity = message.identity().clone();
+    let balance = app::credit_rows(message, account, delta, &identity).await?;
+    let event = serde_json::json!({"account_id": account, "delta": delta, "balance": balance});
+    let event = OutboxMessage::new(format!("credits.events.{account}"), event.to_string())
+        .header("Content-Type", "application/json");
+    message.enqueue("credited", &event).await?;
+    Ok(balance)
+}
+
+async fn consume_nats(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Error> {
+    let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let client = async_nats::connect(&url)
+        .await
+        .map_err(|e| format!("cannot connect to NATS at {url} (NATS_URL): {e}"))?;
+    let js = jetstream::new(client);
+    let commands = js
+        .get_or_create_stream(stream::Config {
+            name: "CREDITS".to_owned(),
+            subjects: vec!["credits.commands.>".to_owned()],
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| format!("stream CREDITS: {e}"))?;
+    js.get_or_create_stream(stream::Config {
+        name: "CREDITS_EVENTS".to_owned(),
+        subjects: vec!["credits.events.>".to_owned()],
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| format!("stream CREDITS_EVENTS: {e}"))?;
+    let durable = commands
+        .get_or_create_consumer(
+            CONSUMER,
+            pull::Config {
+                durable_name: Some(CONSUMER.to_owned()),
+                // Each message in hand may hold a pooled connection: no more than the pool.
+                max_ack_pending: max_ack_pending(&pool),
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| format!("consumer {CONSUMER} on stream CREDITS: {e}"))?;
+
+    // The events go out through the outbox, after the commit, with their effect IDs.
+    let dispatcher = Dispatcher::builder(pool.clone(), NatsTransport::new(js.clone()))
+        .delivery_timeout(Duration::from_secs(5))
+        .lease(Duration::from_secs(15))
+        .build()?;
+    let (stop_dispatcher, dispatcher_stopped) = tokio::sync::oneshot::channel::<()>();
+    let dispatcher = tokio::spawn(dispatcher.run(async {
+        let _ = dispatcher_stopped.await;
+    }));
+
+    let nats = NatsConsumer::new(consumer);
+    let mut messages = durable
+        .messages()
+        .await
+        .map_err(|e| format!("consumer {CONSUMER}: {e}"))?;
+    tracing::info!(%url, "consuming credits.commands.> as {CONSUMER}");
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
+    loop {
+        let message = tokio::select! {
+            message = messages.next() => message,
+            () = &mut shutdown => break,
+        };
+        let message = match message {
+            Some(Ok(message)) => message,
+            Some(Err(err)) => {
+                // The pull subscription re-establishes itself; a hiccup is not fatal.
+                tracing::warn!(error = %err, "receiving from JetStream failed");
+                continue;
+            }
+            None => break,
+        };
+        let account = message
+            .subject
+            .strip_prefix("credits.commands.")
+            .map(str::to_owned);
+        let body = message.payload.clone();
+        let handled = nats
+            .handle(&message, |claimed| {
+                let (account, body) = (account.clone(), body.clone());
+                async move { apply(claimed, account.as_deref(), &body).await }.boxed()
+            })
+            .await;
+        log_outcome(&message.subject, handled);
+    }
+    tracing::info!("stopping after the message in hand");
+    let _ = stop_dispatcher.send(());
+    dispatcher.await??;
+    Ok(())
+}
+
+fn log_outcome(subject: &str, handled: Result<Handled<i64, BadCommand>, impl std::fmt::Display>) {
+    match handled {
+        Ok(Handled::Processed(processed)) => {
+            let outcome = processed.kind();
+            match processed {
+                Processed::Applied(balance) => {
+                    tracing::info!(subject, outcome, balance, "credit applied")
+                }
+                Processed::Failed { error, retry_in } => {
+                    tracing::info!(subject, outcome, %error, ?retry_in, "command failed; redelivered later")
+                }
+                Processed::Quarantined {
+                    error,
+                    quarantine_id,
+                } => {
+                    tracing::info!(subject, outcome, %error, quarantine_id, "command quarantined and terminated")
+                }
+                _ => tracing::info!(subject, outcome, "command settled"),
+            }
+        }
+        Ok(Handled::Unidentified(why)) => {
+            tracing::info!(subject, outcome = "unidentified", %why, "message terminated")
+        }
+        Err(err) => {
+            tracing::warn!(subject, error = %err, "settling the message failed; it will be redelivered")
+        }
+    }
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
