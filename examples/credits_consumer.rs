@@ -23,6 +23,10 @@
 //! - One log line per message at info; nothing over HTTP. SIGTERM or Ctrl-C stops it after
 //!   the message in hand.
 //!
+//! `CREDITS_NAMESPACE` (default `credits`) renames the subjects (`<ns>.commands.>`,
+//! `<ns>.events.<account_id>`) and streams (`<NS>`, `<NS>_EVENTS`), so that a second
+//! instance can run beside the first on one server (the tests do).
+//!
 //! `CREDITS_BROKER=amqp` consumes from RabbitMQ instead (feature `amqp`).
 
 // Shared with the HTTP example, which uses the parts this one does not.
@@ -76,6 +80,22 @@ async fn run() -> Result<(), Error> {
     }
 }
 
+/// `CREDITS_NAMESPACE`: lowercase letters, digits and `_`, as subject tokens and stream names
+/// allow.
+fn namespace() -> Result<String, Error> {
+    let ns = std::env::var("CREDITS_NAMESPACE").unwrap_or_else(|_| "credits".to_owned());
+    let valid = !ns.is_empty()
+        && ns.len() <= 32
+        && ns
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if valid {
+        Ok(ns)
+    } else {
+        Err(format!("CREDITS_NAMESPACE {ns:?} is not 1 to 32 of a-z, 0-9 and _").into())
+    }
+}
+
 /// A command's body.
 #[derive(Deserialize)]
 struct Command {
@@ -98,6 +118,7 @@ enum BadCommand {
 /// The command's business writes and its event, on the claimed transaction.
 async fn apply(
     message: &mut ClaimedMessage,
+    ns: &str,
     account: Option<&str>,
     body: &[u8],
 ) -> Result<i64, BadCommand> {
@@ -108,7 +129,7 @@ async fn apply(
     let identity = message.identity().clone();
     let balance = app::credit_rows(message, account, delta, &identity).await?;
     let event = serde_json::json!({"account_id": account, "delta": delta, "balance": balance});
-    let event = OutboxMessage::new(format!("credits.events.{account}"), event.to_string())
+    let event = OutboxMessage::new(format!("{ns}.events.{account}"), event.to_string())
         .header("Content-Type", "application/json");
     message.enqueue("credited", &event).await?;
     Ok(balance)
@@ -116,25 +137,27 @@ async fn apply(
 
 async fn consume_nats(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Error> {
     let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let ns = namespace()?;
+    let stream_name = ns.to_uppercase();
     let client = async_nats::connect(&url)
         .await
         .map_err(|e| format!("cannot connect to NATS at {url} (NATS_URL): {e}"))?;
     let js = jetstream::new(client);
     let commands = js
         .get_or_create_stream(stream::Config {
-            name: "CREDITS".to_owned(),
-            subjects: vec!["credits.commands.>".to_owned()],
+            name: stream_name.clone(),
+            subjects: vec![format!("{ns}.commands.>")],
             ..Default::default()
         })
         .await
-        .map_err(|e| format!("stream CREDITS: {e}"))?;
+        .map_err(|e| format!("stream {stream_name}: {e}"))?;
     js.get_or_create_stream(stream::Config {
-        name: "CREDITS_EVENTS".to_owned(),
-        subjects: vec!["credits.events.>".to_owned()],
+        name: format!("{stream_name}_EVENTS"),
+        subjects: vec![format!("{ns}.events.>")],
         ..Default::default()
     })
     .await
-    .map_err(|e| format!("stream CREDITS_EVENTS: {e}"))?;
+    .map_err(|e| format!("stream {stream_name}_EVENTS: {e}"))?;
     let durable = commands
         .get_or_create_consumer(
             CONSUMER,
@@ -146,7 +169,7 @@ async fn consume_nats(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Erro
             },
         )
         .await
-        .map_err(|e| format!("consumer {CONSUMER} on stream CREDITS: {e}"))?;
+        .map_err(|e| format!("consumer {CONSUMER} on stream {stream_name}: {e}"))?;
 
     // The events go out through the outbox, after the commit, with their effect IDs.
     let dispatcher = Dispatcher::builder(pool.clone(), NatsTransport::new(js.clone()))
@@ -163,7 +186,8 @@ async fn consume_nats(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Erro
         .messages()
         .await
         .map_err(|e| format!("consumer {CONSUMER}: {e}"))?;
-    tracing::info!(%url, "consuming credits.commands.> as {CONSUMER}");
+    tracing::info!(%url, "consuming {ns}.commands.> as {CONSUMER}");
+    let commands_prefix = format!("{ns}.commands.");
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
     loop {
@@ -182,13 +206,13 @@ async fn consume_nats(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Erro
         };
         let account = message
             .subject
-            .strip_prefix("credits.commands.")
+            .strip_prefix(&commands_prefix)
             .map(str::to_owned);
         let body = message.payload.clone();
         let handled = nats
             .handle(&message, |claimed| {
-                let (account, body) = (account.clone(), body.clone());
-                async move { apply(claimed, account.as_deref(), &body).await }.boxed()
+                let (account, body, ns) = (account.clone(), body.clone(), ns.clone());
+                async move { apply(claimed, &ns, account.as_deref(), &body).await }.boxed()
             })
             .await;
         log_outcome(&message.subject, handled);

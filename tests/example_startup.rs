@@ -1,37 +1,16 @@
 //! The example service's startup failures: one line naming the culprit, a non-zero exit, and
 //! nothing done to the database before the address is bound.
 
+mod common;
+
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use tower_inbox_testdb::TestDatabase;
 
-/// The example's binary, built with the features this test was built with (all of them, as
-/// the README's test command says): a fresh build when the test build made it already.
-fn credits_binary() -> std::path::PathBuf {
-    let output = Command::new(env!("CARGO"))
-        .args(["build", "--example", "credits", "--all-features"])
-        .args(["--message-format", "json-render-diagnostics"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run cargo build");
-    assert!(
-        output.status.success(),
-        "cargo build --example credits failed"
-    );
-    let stdout = String::from_utf8(output.stdout).expect("cargo's JSON is UTF-8");
-    stdout
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .filter(|msg| msg["reason"] == "compiler-artifact" && msg["target"]["name"] == "credits")
-        .find_map(|msg| msg["executable"].as_str().map(Into::into))
-        .expect("cargo names the credits executable")
-}
-
 /// Runs the example with `env` until it exits; fails the test if it runs past `limit`.
 fn run(env: &[(&str, &str)], limit: Duration) -> (Output, Duration) {
-    let mut command = Command::new(credits_binary());
+    let mut command = Command::new(common::example::binary("credits"));
     command
         .env_remove("DATABASE_URL")
         .env("RUST_LOG", "warn")

@@ -4,6 +4,7 @@
 
 #[path = "../../examples/credits/app.rs"]
 pub mod credits;
+pub mod example;
 pub mod proxy;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -1,0 +1,203 @@
+//! `examples/credits_consumer.rs` as an operator runs it, against the NATS server on
+//! 127.0.0.1:4222: killed (SIGKILL) again and again under a steady publisher that also
+//! retries, then left to finish. Every command is applied once and published once as an
+//! event; a poison message ends in the quarantine. (Conflicts and the other outcomes are
+//! driven one by one in tests/nats.rs.)
+
+mod common;
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, Context};
+use async_nats::HeaderMap;
+use bytes::Bytes;
+use tower_inbox_testdb::TestDatabase;
+
+const COMMANDS: usize = 120;
+const KILLS: usize = 8;
+
+struct Service {
+    binary: std::path::PathBuf,
+    env: Vec<(String, String)>,
+    child: Option<Child>,
+}
+
+impl Service {
+    fn start(&mut self) {
+        let mut command = Command::new(&self.binary);
+        command
+            .env_remove("DATABASE_URL")
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        for (name, value) in &self.env {
+            command.env(name, value);
+        }
+        self.child = Some(command.spawn().expect("start the consumer example"));
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill(); // SIGKILL: no chance to finish anything
+            let _ = child.wait();
+        }
+    }
+
+    /// SIGTERM, then its exit status: it stops after the message in hand.
+    fn terminate(&mut self) -> std::process::ExitStatus {
+        let mut child = self.child.take().expect("running");
+        let pid = child.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        child.wait().expect("wait for the consumer")
+    }
+}
+
+impl Drop for Service {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+async fn publish(js: &Context, subject: String, id: &str, body: &'static str) {
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", id);
+    headers.insert("X-Producer", "app");
+    js.publish_with_headers(subject, headers, Bytes::from_static(body.as_bytes()))
+        .await
+        .expect("publish")
+        .await
+        .expect("publish ack");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn killed_again_and_again_it_applies_every_command_once_and_publishes_one_event_each() {
+    let client = async_nats::connect("127.0.0.1:4222")
+        .await
+        .unwrap_or_else(|e| {
+            panic!("NATS with JetStream is not running on 127.0.0.1:4222 ({e}); see .ci/run")
+        });
+    let js = jetstream::new(client);
+    let ns = format!("kill{}", std::process::id());
+    let (stream, events) = (ns.to_uppercase(), format!("{}_EVENTS", ns.to_uppercase()));
+    let db = TestDatabase::create().await.expect("test database");
+    let mut service = Service {
+        binary: common::example::binary("credits_consumer"),
+        env: vec![
+            ("DATABASE_URL".to_owned(), db.url().to_owned()),
+            ("CREDITS_NAMESPACE".to_owned(), ns.clone()),
+        ],
+        child: None,
+    };
+    service.start();
+    // The streams exist once the first instance is up.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while js.get_stream(&stream).await.is_err() {
+        assert!(
+            Instant::now() < deadline,
+            "the consumer never created {stream}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // A steady publisher: each command twice (the producer retries), over a few seconds.
+    let publisher = {
+        let (js, ns) = (js.clone(), ns.clone());
+        tokio::spawn(async move {
+            for i in 0..COMMANDS {
+                let subject = format!("{ns}.commands.a{}", i % 7);
+                let id = format!("c-{i}");
+                publish(&js, subject.clone(), &id, r#"{"delta": 1}"#).await;
+                tokio::time::sleep(Duration::from_millis(25)).await;
+                publish(&js, subject, &id, r#"{"delta": 1}"#).await;
+            }
+            publish(&js, format!("{ns}.commands.a0"), "poison", "not json").await;
+        })
+    };
+    let mut kills = 0;
+    while kills < KILLS {
+        tokio::time::sleep(Duration::from_millis(200 + fastrand::u64(0..600))).await;
+        service.kill();
+        kills += 1;
+        service.start();
+    }
+    publisher.await.expect("publisher");
+    println!("{kills} SIGKILLs of the consumer under {COMMANDS} commands published twice");
+
+    // Left alone, it finishes: every command applied, every event published.
+    let pool = db.pool(2).await;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let (rows, event_count) = (ledger_rows(&pool).await, event_count(&js, &events).await);
+        if rows >= COMMANDS as i64 && event_count >= COMMANDS as u64 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after the kills: {rows} ledger rows and {event_count} events of {COMMANDS}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The poison message fails three deliveries, then sits in the quarantine.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while quarantined(&pool).await < 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the poison message was not quarantined"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(service.terminate().success(), "SIGTERM is a clean stop");
+
+    let per_id: Vec<(String, i64)> = sqlx::query_as(
+        "select message_id, count(*) from credit_ledger
+          where consumer_name = 'credits-worker' group by message_id",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(per_id.len(), COMMANDS, "every command applied");
+    assert!(per_id.iter().all(|(_, n)| *n == 1), "none applied twice");
+    let balance: i64 = sqlx::query_scalar("select sum(balance)::bigint from credit_account")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(balance, COMMANDS as i64);
+    assert_eq!(
+        event_count(&js, &events).await,
+        COMMANDS as u64,
+        "one event each"
+    );
+    let undelivered: i64 = sqlx::query_scalar(
+        "select count(*) from tower_inbox.message_outbox where status <> 'delivered'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(undelivered, 0);
+    let _ = js.delete_stream(&stream).await;
+    let _ = js.delete_stream(&events).await;
+}
+
+async fn ledger_rows(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("select count(*) from credit_ledger")
+        .fetch_one(pool)
+        .await
+        .unwrap_or(0)
+}
+
+async fn event_count(js: &Context, events: &str) -> u64 {
+    match js.get_stream(events).await {
+        Ok(mut stream) => stream.info().await.map(|i| i.state.messages).unwrap_or(0),
+        Err(_) => 0,
+    }
+}
+
+async fn quarantined(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar(
+        "select count(*) from tower_inbox.inbox_quarantine where source = 'handler-failure'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap_or(0)
+}
