@@ -51,6 +51,7 @@
 //!   handler takes the transaction with [`InboxTx::from_extensions`].
 //! * `outbox-http`: `outbox::HttpTransport`, the dispatcher's HTTP delivery (reqwest).
 //! * `tls`: HTTPS for `HttpTransport`.
+//! * `nats`: [`consumer::nats`](consumer) and `outbox::NatsTransport`, for NATS JetStream.
 //!
 //! With `default-features = false` the crate pulls neither axum nor reqwest.
 //!
