@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The HTTP figures in one command: builds the credits service and the load generator in
 # release, starts the service with its unprotected baseline route on a free port, waits until
-# it listens, runs examples/loadgen.rs against it with the arguments given, and stops the
-# service again (also on failure or Ctrl-C).
+# it listens, runs the load generator (benches/loadgen) against it with the arguments given,
+# and stops the service again (also on failure or Ctrl-C).
 #
 #   benches/http.sh --connections 32 --duration 10 --rounds 3
 #   benches/http.sh --connections 32 --duration 10 --rounds 3 --duplicates 0.5 --json
 #   benches/http.sh --routes layered --rounds 1 --requests 1000000 --report-every 10
+#   benches/http.sh --rate 500 --duration 10 --rounds 3    # open loop, 500 req/s per route
 #
 # The load generator is given the service's pid (--server-pid) and asked for PostgreSQL's CPU
 # (--postgres-cpu, every process named postgres on this machine), so that each route's CPU
@@ -15,7 +16,7 @@
 #
 # The service uses DATABASE_URL if it is set, else the PostgreSQL on 127.0.0.1:5432, else a
 # throwaway cluster (see README.md). Its log goes to a temporary file, printed if it fails.
-# The exit status is the load generator's (see examples/loadgen.rs).
+# The exit status is the load generator's (see benches/loadgen/src/main.rs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -24,8 +25,9 @@ if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
     exit 0
 fi
 
-cargo build --release --example credits --example loadgen
-loadgen="${CARGO_TARGET_DIR:-target}/release/examples/loadgen"
+cargo build --release --example credits
+cargo build --release -p tower-inbox-loadgen
+loadgen="${CARGO_TARGET_DIR:-target}/release/loadgen"
 # shellcheck source=benches/support/credits.sh
 source benches/support/credits.sh
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One machine run of the HTTP figures, as a table: for each way of using the layer, the credits
-# example is started afresh and loaded by examples/loadgen.rs with the unprotected baseline
-# route interleaved (R rounds of baseline then layered, each D seconds), and one row gives the
-# layered route's throughput and p99 as ratios to the baseline measured in the same run, and
-# the CPU time per request of the service and of PostgreSQL on both routes.
+# example is started afresh and loaded by the load generator (benches/loadgen) with the
+# unprotected baseline route interleaved (R rounds of baseline then layered, each D seconds),
+# and one row gives the layered route's throughput and p99 as ratios to the baseline measured
+# in the same run, and the CPU time per request of the service and of PostgreSQL on both
+# routes.
 #
 #   benches/http_table.sh                 # 3 rounds x 10 s per route, 32 connections
 #   ROUNDS=5 DURATION=20 benches/http_table.sh

@@ -30,7 +30,8 @@ for tool in perf python3; do
     command -v "$tool" >/dev/null || { echo "profile.sh: $tool is not on PATH" >&2; exit 1; }
 done
 
-cargo build --release --example credits --example loadgen
+cargo build --release --example credits
+cargo build --release -p tower-inbox-loadgen
 target_dir="${CARGO_TARGET_DIR:-target}"
 # shellcheck source=benches/support/credits.sh
 source benches/support/credits.sh
@@ -48,7 +49,7 @@ trap 'exit 130' INT TERM
 credits_start "$work/server.log"
 
 # The load runs 3 s longer than the sampling on each side, so every sample sees steady load.
-"$target_dir/release/examples/loadgen" --url "http://$address" --routes "$route" --rounds 1 \
+"$target_dir/release/loadgen" --url "http://$address" --routes "$route" --rounds 1 \
     --warmup 2 --duration "$((seconds + 6))" --json >"$work/load.json" &
 load_pid=$!
 sleep 5

@@ -14,7 +14,7 @@
 //! outbox and quarantine gauges every minute, and a purge task deletes what the retention
 //! policies no longer need every ten minutes. `CREDITS_BASELINE_ROUTE=1` also serves
 //! `POST /baseline/accounts/{id}/credits`, the same credit without the layer, to measure what
-//! the layer costs (`examples/loadgen.rs`); never in production. The opt-in speed settings
+//! the layer costs (`benches/loadgen`); never in production. The opt-in speed settings
 //! can be turned on for such measurements: `CREDITS_CLAIM_AT_COMMIT=1`,
 //! `CREDITS_LOOKUP_BEFORE_CLAIM=1` or `0` (always or never; decided from the traffic by default), and `CREDITS_REPLAY_CACHE=<entries>` (64 MiB at most).
 //! Without `DATABASE_URL` it uses the local PostgreSQL on 127.0.0.1:5432, or starts a
@@ -125,7 +125,7 @@ async fn run() -> Result<(), Error> {
     };
     let router = app::routes_with_webhook(pool.clone(), layer(&pool)?, webhook);
 
-    // The unprotected baseline route, for measuring the layer's cost (examples/loadgen.rs).
+    // The unprotected baseline route, for measuring the layer's cost (benches/loadgen).
     let router = if std::env::var("CREDITS_BASELINE_ROUTE").is_ok_and(|v| v == "1") {
         tracing::warn!("serving the UNPROTECTED baseline route /baseline/accounts/{{id}}/credits");
         router.merge(app::baseline_routes(pool.clone()))

@@ -296,7 +296,7 @@ pub const BASELINE_CONSUMER: &str = "credits-baseline";
 
 /// `POST /baseline/accounts/{account_id}/credits`: the same credit in a transaction of its
 /// own, **without** the inbox layer: a retry credits again. It exists to measure what the
-/// layer costs (`examples/loadgen.rs`, `benches/`), and is only served when asked for.
+/// layer costs (`benches/loadgen`, `benches/`), and is only served when asked for.
 pub fn baseline_routes(pool: PgPool) -> Router {
     Router::new()
         .route(
