@@ -92,37 +92,38 @@ async fn run() -> Result<(), Error> {
 
     let webhook = std::env::var("CREDITS_WEBHOOK_URL").ok();
     let (stop_dispatcher, dispatcher_stopped) = tokio::sync::oneshot::channel::<()>();
-    let dispatcher = match &webhook {
-        #[cfg(not(feature = "outbox-http"))]
-        Some(_) => {
-            let _ = dispatcher_stopped;
-            return Err("CREDITS_WEBHOOK_URL needs the outbox's HTTP transport: run with --features outbox-http".into());
-        }
-        #[cfg(feature = "outbox-http")]
-        Some(url) => {
-            let timeout_ms: u64 = match std::env::var("CREDITS_WEBHOOK_TIMEOUT_MS") {
-                Ok(v) => v
-                    .parse()
-                    .map_err(|e| format!("CREDITS_WEBHOOK_TIMEOUT_MS: {e}"))?,
-                Err(_) => 5000,
-            };
-            let timeout = Duration::from_millis(timeout_ms);
-            let dispatcher = Dispatcher::builder(pool.clone(), HttpTransport::new(timeout)?)
-                // At least the transport's own timeout (the builder refuses less): the
-                // transport then always returns an answer it has before the dispatcher gives up.
-                .delivery_timeout(timeout)
-                // A killed process's leases expire well within a minute.
-                .lease(timeout + Duration::from_secs(10))
-                // First retry after 0.5-1 s, doubling up to 30 s.
-                .backoff(Duration::from_secs(1), Duration::from_secs(30))
-                .build()?;
-            tracing::info!(%url, "delivering credit webhooks through the outbox");
-            Some(tokio::spawn(dispatcher.run(async {
-                let _ = dispatcher_stopped.await;
-            })))
-        }
-        None => None,
-    };
+    let dispatcher: Option<tokio::task::JoinHandle<Result<(), tower_inbox::outbox::OutboxError>>> =
+        match &webhook {
+            #[cfg(not(feature = "outbox-http"))]
+            Some(_) => {
+                drop(dispatcher_stopped);
+                return Err("CREDITS_WEBHOOK_URL needs the outbox's HTTP transport: run with --features outbox-http".into());
+            }
+            #[cfg(feature = "outbox-http")]
+            Some(url) => {
+                let timeout_ms: u64 = match std::env::var("CREDITS_WEBHOOK_TIMEOUT_MS") {
+                    Ok(v) => v
+                        .parse()
+                        .map_err(|e| format!("CREDITS_WEBHOOK_TIMEOUT_MS: {e}"))?,
+                    Err(_) => 5000,
+                };
+                let timeout = Duration::from_millis(timeout_ms);
+                let dispatcher = Dispatcher::builder(pool.clone(), HttpTransport::new(timeout)?)
+                    // At least the transport's own timeout (the builder refuses less): the
+                    // transport then always returns an answer it has before the dispatcher gives up.
+                    .delivery_timeout(timeout)
+                    // A killed process's leases expire well within a minute.
+                    .lease(timeout + Duration::from_secs(10))
+                    // First retry after 0.5-1 s, doubling up to 30 s.
+                    .backoff(Duration::from_secs(1), Duration::from_secs(30))
+                    .build()?;
+                tracing::info!(%url, "delivering credit webhooks through the outbox");
+                Some(tokio::spawn(dispatcher.run(async {
+                    let _ = dispatcher_stopped.await;
+                })))
+            }
+            None => None,
+        };
     let router = app::routes_with_webhook(pool.clone(), layer(&pool)?, webhook);
 
     // The unprotected baseline route, for measuring the layer's cost (benches/loadgen).
