@@ -52,6 +52,9 @@
 //! * `outbox-http`: `outbox::HttpTransport`, the dispatcher's HTTP delivery (reqwest).
 //! * `tls`: HTTPS for `HttpTransport`.
 //! * `nats`: [`consumer::nats`](consumer) and `outbox::NatsTransport`, for NATS JetStream.
+//! * `amqp`: RabbitMQ with lapin: `consumer::amqp`, which runs the consumer on deliveries and
+//!   acknowledges, requeues or rejects them once the outcome is durable, and
+//!   `outbox::AmqpTransport`, which publishes effects with publisher confirms.
 //!
 //! With `default-features = false` the crate pulls neither axum nor reqwest.
 //!

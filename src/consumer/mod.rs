@@ -20,6 +20,7 @@
 //! | [`Expired`](Processed::Expired) | produced before the retention window; kept in the quarantine | reject |
 //!
 //! A caller with other needs maps the [`Processed`] itself; the table is only the default.
+//! `consumer::amqp` (feature `amqp`) runs it on RabbitMQ deliveries and settles them.
 //!
 //! **Acknowledge after the commit, never before.** `process` returns once the outcome is
 //! durable. A crash between its return and the acknowledgement makes the broker deliver the
@@ -61,6 +62,8 @@
 //! # Ok(()) }
 //! ```
 
+#[cfg(feature = "amqp")]
+pub mod amqp;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod outcome;
@@ -463,8 +466,7 @@ impl ConsumerBuilder {
     }
 
     /// Refuse first-seen messages produced before `policy`'s window (those that carry a
-    /// production time, [`Incoming::produced_at`]); see
-    /// [`RetentionGuard`].
+    /// production time, [`Incoming::produced_at`]); see [`RetentionGuard`].
     pub fn retention(mut self, policy: RetentionPolicy) -> Self {
         self.retention = Some(policy);
         self

@@ -8,8 +8,9 @@
 //! derived from the message identity, so one command can never produce two effects.
 //!
 //! **Delivery guarantee.** At least once, always with the same idempotency key (the effect
-//! ID, sent by [`HttpTransport`] as `Idempotency-Key`). An effect happens exactly once only
-//! where the receiver deduplicates by that key, because some deliveries are repeated:
+//! ID, sent by [`HttpTransport`] as `Idempotency-Key` and by `AmqpTransport` as
+//! `message_id`). An effect happens exactly once only where the receiver deduplicates by
+//! that key, because some deliveries are repeated:
 //!
 //! * after an ambiguous outcome (a timeout, a lost connection, a 5xx, a [`Transport`] that
 //!   panicked) the dispatcher cannot know whether the receiver applied the effect, so it
@@ -62,6 +63,11 @@
 //! }
 //! ```
 
+// The `HttpTransport` links resolve with `outbox-http` only (docs.rs builds every feature).
+#![cfg_attr(not(feature = "outbox-http"), allow(rustdoc::broken_intra_doc_links))]
+
+#[cfg(feature = "amqp")]
+mod amqp;
 mod dispatcher;
 #[cfg(feature = "outbox-http")]
 mod http;
@@ -80,6 +86,8 @@ use time::OffsetDateTime;
 use crate::identity::MessageIdentity;
 use crate::schema::Schema;
 
+#[cfg(feature = "amqp")]
+pub use amqp::AmqpTransport;
 pub use dispatcher::{DispatchReport, Dispatcher, DispatcherBuilder, DispatcherConfigError};
 #[cfg(feature = "outbox-http")]
 pub use http::HttpTransport;
