@@ -27,7 +27,12 @@
 //! `<ns>.events.<account_id>`) and streams (`<NS>`, `<NS>_EVENTS`), so that a second
 //! instance can run beside the first on one server (the tests do).
 //!
-//! `CREDITS_BROKER=amqp` consumes from RabbitMQ instead (feature `amqp`).
+//! `CREDITS_BROKER=amqp` consumes from RabbitMQ instead (feature `amqp`): `AMQP_URL` (default
+//! `amqp://guest:guest@127.0.0.1:5672/%2f`), queue `<ns>.commands` (declared durable if
+//! missing), the message ID from the `message_id` property and the producer from `app_id`; a
+//! command's body is `{"account_id": "<id>", "delta": <integer>}` (a queue has no subject to
+//! carry the account), and its event goes to the topic exchange `<ns>.events` (declared if
+//! missing) with routing key `<account_id>`.
 
 // Shared with the HTTP example, which uses the parts this one does not.
 #[allow(dead_code)]
@@ -73,9 +78,12 @@ async fn run() -> Result<(), Error> {
     let consumer = Consumer::builder(pool.clone(), CONSUMER).build()?;
     match std::env::var("CREDITS_BROKER").as_deref() {
         Ok("nats") | Err(_) => consume_nats(pool, consumer).await,
-        Ok("amqp") => Err(
-            "CREDITS_BROKER=amqp needs the RabbitMQ adapter, which is not in this build yet".into(),
-        ),
+        #[cfg(feature = "amqp")]
+        Ok("amqp") => amqp_mode::consume(pool, consumer).await,
+        #[cfg(not(feature = "amqp"))]
+        Ok("amqp") => {
+            Err("CREDITS_BROKER=amqp needs the amqp feature: --features nats,amqp".into())
+        }
         Ok(other) => Err(format!("CREDITS_BROKER is {other:?}: use nats or amqp").into()),
     }
 }
@@ -96,16 +104,17 @@ fn namespace() -> Result<String, Error> {
     }
 }
 
-/// A command's body.
+/// A command's body; on RabbitMQ it names the account too.
 #[derive(Deserialize)]
 struct Command {
     delta: i64,
+    account_id: Option<String>,
 }
 
 /// Why a message is not a command: a handler error, counted toward the quarantine.
 #[derive(Debug, thiserror::Error)]
 enum BadCommand {
-    #[error("the subject names no account")]
+    #[error("the command names no account")]
     NoAccount,
     #[error("the body is not {{\"delta\": <integer>}}")]
     Body,
@@ -118,18 +127,20 @@ enum BadCommand {
 /// The command's business writes and its event, on the claimed transaction.
 async fn apply(
     message: &mut ClaimedMessage,
-    ns: &str,
     account: Option<&str>,
     body: &[u8],
+    event_destination: impl FnOnce(&str) -> String,
 ) -> Result<i64, BadCommand> {
+    let command: Command = serde_json::from_slice(body).map_err(|_| BadCommand::Body)?;
     let account = account
+        .or(command.account_id.as_deref())
         .filter(|a| !a.is_empty() && a.len() <= 128)
         .ok_or(BadCommand::NoAccount)?;
-    let Command { delta } = serde_json::from_slice(body).map_err(|_| BadCommand::Body)?;
+    let delta = command.delta;
     let identity = message.identity().clone();
     let balance = app::credit_rows(message, account, delta, &identity).await?;
     let event = serde_json::json!({"account_id": account, "delta": delta, "balance": balance});
-    let event = OutboxMessage::new(format!("{ns}.events.{account}"), event.to_string())
+    let event = OutboxMessage::new(event_destination(account), event.to_string())
         .header("Content-Type", "application/json");
     message.enqueue("credited", &event).await?;
     Ok(balance)
@@ -212,7 +223,8 @@ async fn consume_nats(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Erro
         let handled = nats
             .handle(&message, |claimed| {
                 let (account, body, ns) = (account.clone(), body.clone(), ns.clone());
-                async move { apply(claimed, &ns, account.as_deref(), &body).await }.boxed()
+                let events = move |account: &str| format!("{ns}.events.{account}");
+                async move { apply(claimed, account.as_deref(), &body, events).await }.boxed()
             })
             .await;
         log_outcome(&message.subject, handled);
@@ -225,30 +237,31 @@ async fn consume_nats(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Erro
 
 fn log_outcome(subject: &str, handled: Result<Handled<i64, BadCommand>, impl std::fmt::Display>) {
     match handled {
-        Ok(Handled::Processed(processed)) => {
-            let outcome = processed.kind();
-            match processed {
-                Processed::Applied(balance) => {
-                    tracing::info!(subject, outcome, balance, "credit applied")
-                }
-                Processed::Failed { error, retry_in } => {
-                    tracing::info!(subject, outcome, %error, ?retry_in, "command failed; redelivered later")
-                }
-                Processed::Quarantined {
-                    error,
-                    quarantine_id,
-                } => {
-                    tracing::info!(subject, outcome, %error, quarantine_id, "command quarantined and terminated")
-                }
-                _ => tracing::info!(subject, outcome, "command settled"),
-            }
-        }
+        Ok(Handled::Processed(processed)) => log_processed(subject, processed),
         Ok(Handled::Unidentified(why)) => {
-            tracing::info!(subject, outcome = "unidentified", %why, "message terminated")
+            tracing::info!(source = subject, outcome = "unidentified", %why, "message terminated")
         }
         Err(err) => {
-            tracing::warn!(subject, error = %err, "settling the message failed; it will be redelivered")
+            tracing::warn!(source = subject, error = %err, "settling the message failed; it will be redelivered")
         }
+    }
+}
+
+/// One line per message: where it came from and what became of it (never its body).
+fn log_processed(source: &str, processed: Processed<i64, BadCommand>) {
+    let outcome = processed.kind();
+    match processed {
+        Processed::Applied(balance) => tracing::info!(source, outcome, balance, "credit applied"),
+        Processed::Failed { error, retry_in } => {
+            tracing::info!(source, outcome, %error, ?retry_in, "command failed; delivered again later")
+        }
+        Processed::Quarantined {
+            error,
+            quarantine_id,
+        } => {
+            tracing::info!(source, outcome, %error, quarantine_id, "command quarantined and rejected")
+        }
+        _ => tracing::info!(source, outcome, "command settled"),
     }
 }
 
@@ -271,5 +284,115 @@ async fn shutdown_signal() {
     #[cfg(not(unix))]
     {
         let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(feature = "amqp")]
+mod amqp_mode {
+    //! The RabbitMQ mode: the same commands from a queue, the events to a topic exchange.
+
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use futures_util::{FutureExt, StreamExt};
+    use lapin::options::{BasicConsumeOptions, ExchangeDeclareOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    use lapin::{Connection, ConnectionProperties, ExchangeKind};
+    use tower_inbox::consumer::amqp::{AmqpConsumer, Handled};
+    use tower_inbox::consumer::Consumer;
+    use tower_inbox::outbox::{AmqpTransport, Dispatcher};
+
+    use super::{apply, log_processed, namespace, shutdown_signal, Error, CONSUMER};
+
+    pub(super) async fn consume(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Error> {
+        let url = std::env::var("AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+        let ns = namespace()?;
+        let (queue, exchange) = (format!("{ns}.commands"), format!("{ns}.events"));
+        // The URL holds a password: the error names the variable, not the URL.
+        let connection = Connection::connect(&url, ConnectionProperties::default())
+            .await
+            .map_err(|e| format!("cannot connect to RabbitMQ (AMQP_URL): {e}"))?;
+        let connection = Arc::new(connection);
+        let channel = connection.create_channel().await?;
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .queue_declare(queue.as_str().into(), durable, FieldTable::default())
+            .await
+            .map_err(|e| format!("queue {queue}: {e}"))?;
+        let topic = ExchangeDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        channel
+            .exchange_declare(
+                exchange.as_str().into(),
+                ExchangeKind::Topic,
+                topic,
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| format!("exchange {exchange}: {e}"))?;
+        let amqp = AmqpConsumer::new(consumer);
+        // Each delivery in hand may hold a pooled connection: no more than the pool.
+        amqp.set_prefetch(&channel).await?;
+
+        let transport = AmqpTransport::new(connection.clone()).timeout(Duration::from_secs(5));
+        let dispatcher = Dispatcher::builder(pool.clone(), transport)
+            .delivery_timeout(Duration::from_secs(5))
+            .lease(Duration::from_secs(15))
+            .build()?;
+        let (stop_dispatcher, dispatcher_stopped) = tokio::sync::oneshot::channel::<()>();
+        let dispatcher = tokio::spawn(dispatcher.run(async {
+            let _ = dispatcher_stopped.await;
+        }));
+
+        let mut deliveries = channel
+            .basic_consume(
+                queue.as_str().into(),
+                CONSUMER.into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| format!("consuming {queue}: {e}"))?;
+        tracing::info!("consuming queue {queue} as {CONSUMER}");
+        let shutdown = shutdown_signal();
+        tokio::pin!(shutdown);
+        loop {
+            let delivery = tokio::select! {
+                delivery = deliveries.next() => delivery,
+                () = &mut shutdown => break,
+            };
+            let delivery = match delivery {
+                Some(Ok(delivery)) => delivery,
+                Some(Err(err)) => return Err(format!("consuming {queue}: {err}").into()),
+                None => break,
+            };
+            let body = delivery.data.clone();
+            let handled = amqp
+                .handle(&delivery, |claimed| {
+                    let (body, exchange) = (body.clone(), exchange.clone());
+                    let events = move |account: &str| format!("{exchange}/{account}");
+                    async move { apply(claimed, None, &body, events).await }.boxed()
+                })
+                .await;
+            match handled {
+                Ok(Handled::Processed(processed)) => log_processed(&queue, processed),
+                Ok(Handled::Unidentified(why)) => {
+                    tracing::info!(source = %queue, outcome = "unidentified", %why, "message rejected")
+                }
+                Err(err) => {
+                    tracing::warn!(source = %queue, error = %err, "settling failed; delivered again later")
+                }
+            }
+        }
+        tracing::info!("stopping after the message in hand");
+        let _ = stop_dispatcher.send(());
+        dispatcher.await??;
+        Ok(())
     }
 }

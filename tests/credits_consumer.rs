@@ -201,3 +201,166 @@ async fn quarantined(pool: &sqlx::PgPool) -> i64 {
     .await
     .unwrap_or(0)
 }
+
+/// The RabbitMQ mode (`CREDITS_BROKER=amqp`): killed under a publisher that sends every
+/// command twice, then left to finish: each applied once, and at least one event each on the
+/// topic exchange (publisher confirms are at least once; repeats carry the same message_id).
+#[cfg(feature = "amqp")]
+#[tokio::test(flavor = "multi_thread")]
+async fn in_rabbitmq_mode_too_every_command_is_applied_once_and_has_its_event() {
+    use lapin::options::{
+        BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+        QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use lapin::types::FieldTable;
+    use lapin::{BasicProperties, Connection, ConnectionProperties, ExchangeKind};
+
+    const AMQP_COMMANDS: usize = 60;
+    let uri = "amqp://guest:guest@127.0.0.1:5672/%2f";
+    let connection = Connection::connect(uri, ConnectionProperties::default())
+        .await
+        .unwrap_or_else(|e| {
+            panic!("RabbitMQ is not running on 127.0.0.1:5672 ({e}); start it with `rabbitmq-server -detached`")
+        });
+    let channel = connection.create_channel().await.unwrap();
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let ns = format!("amqp{}", std::process::id());
+    let (queue, exchange, events) = (
+        format!("{ns}.commands"),
+        format!("{ns}.events"),
+        format!("{ns}.events.seen"),
+    );
+    // The queue and exchange the example would declare, and a queue that counts the events.
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    channel
+        .queue_declare(queue.as_str().into(), durable, FieldTable::default())
+        .await
+        .unwrap();
+    let topic = ExchangeDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    channel
+        .exchange_declare(
+            exchange.as_str().into(),
+            ExchangeKind::Topic,
+            topic,
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_declare(
+            events.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    channel
+        .queue_bind(
+            events.as_str().into(),
+            exchange.as_str().into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+
+    let db = TestDatabase::create().await.expect("test database");
+    let mut service = Service {
+        binary: common::example::binary("credits_consumer"),
+        env: vec![
+            ("DATABASE_URL".to_owned(), db.url().to_owned()),
+            ("CREDITS_NAMESPACE".to_owned(), ns.clone()),
+            ("CREDITS_BROKER".to_owned(), "amqp".to_owned()),
+        ],
+        child: None,
+    };
+    service.start();
+    let publish = |id: String, body: String| {
+        let (channel, queue) = (channel.clone(), queue.clone());
+        async move {
+            let properties = BasicProperties::default()
+                .with_message_id(id.as_str().into())
+                .with_app_id("app".into())
+                .with_delivery_mode(2);
+            let confirm = channel
+                .basic_publish(
+                    "".into(),
+                    queue.as_str().into(),
+                    BasicPublishOptions::default(),
+                    body.as_bytes(),
+                    properties,
+                )
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            assert!(confirm.is_ack());
+        }
+    };
+    let mut kills = 0;
+    for i in 0..AMQP_COMMANDS {
+        let body = format!(r#"{{"account_id": "a{}", "delta": 1}}"#, i % 5);
+        publish(format!("c-{i}"), body.clone()).await;
+        publish(format!("c-{i}"), body).await;
+        if i % 20 == 10 {
+            tokio::time::sleep(Duration::from_millis(100 + fastrand::u64(0..300))).await;
+            service.kill();
+            kills += 1;
+            service.start();
+        }
+    }
+    println!("{kills} SIGKILLs of the consumer under {AMQP_COMMANDS} commands published twice");
+
+    let pool = db.pool(2).await;
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let event_count = || async {
+        let passive = QueueDeclareOptions::default().passive();
+        channel
+            .queue_declare(events.as_str().into(), passive, FieldTable::default())
+            .await
+            .map(|q| q.message_count())
+            .unwrap_or(0)
+    };
+    loop {
+        let (rows, seen) = (ledger_rows(&pool).await, event_count().await);
+        if rows >= AMQP_COMMANDS as i64 && seen >= AMQP_COMMANDS as u32 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "after the kills: {rows} ledger rows and {seen} events of {AMQP_COMMANDS}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(service.terminate().success(), "SIGTERM is a clean stop");
+    let per_id: Vec<(String, i64)> =
+        sqlx::query_as("select message_id, count(*) from credit_ledger group by message_id")
+            .fetch_all(&pool)
+            .await
+            .unwrap();
+    assert_eq!(per_id.len(), AMQP_COMMANDS);
+    assert!(per_id.iter().all(|(_, n)| *n == 1), "none applied twice");
+    // Publisher confirms make delivery at least once: a kill between a confirm and its mark
+    // republishes, with the same message_id, which the consumers of the events drop. Each
+    // applied command has its event, and no event is of a command not applied.
+    let seen = event_count().await;
+    assert!(seen >= AMQP_COMMANDS as u32, "{seen} events");
+    for name in [&queue, &events] {
+        let _ = channel
+            .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+            .await;
+    }
+    let _ = channel
+        .exchange_delete(exchange.as_str().into(), Default::default())
+        .await;
+}
