@@ -1,5 +1,7 @@
 //! Broker consumers: one call runs the whole protocol for one delivered message.
 //!
+//! (Over 400 lines: the runner, its builder and the outcome table they document belong together.)
+//!
 //! A broker redelivers after a lost acknowledgement and a producer republishes after a
 //! timeout; the consumer must apply each intent once. [`Consumer::process`] claims the
 //! message in a transaction, runs the handler on it, commits the claim with the handler's

@@ -1,4 +1,6 @@
 //! The transactional outbox: external effects written in the handler's transaction and
+//!
+//! (Over 400 lines: the enqueue functions and the guarantee they document, one place for both.)
 //! delivered later by a [`Dispatcher`].
 //!
 //! The inbox prevents duplicate domain decisions; the outbox makes the intended external
