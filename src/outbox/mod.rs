@@ -1,7 +1,7 @@
 //! The transactional outbox: external effects written in the handler's transaction and
+//! delivered later by a [`Dispatcher`].
 //!
 //! (Over 400 lines: the enqueue functions and the guarantee they document, one place for both.)
-//! delivered later by a [`Dispatcher`].
 //!
 //! The inbox prevents duplicate domain decisions; the outbox makes the intended external
 //! effect durable. A handler never calls another service inside its transaction: that is not
