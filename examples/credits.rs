@@ -170,7 +170,8 @@ async fn run() -> Result<(), Error> {
         StatsTask::new(pool.clone()).run(Duration::from_secs(60), std::future::pending::<()>()),
     );
 
-    tracing::info!(address = %listener.local_addr()?, "credits service listening");
+    let address = listener.local_addr()?;
+    tracing::info!(%address, "credits service listening on {address}");
     axum::serve(listener, router)
         .with_graceful_shutdown(async {
             let _ = tokio::signal::ctrl_c().await;
