@@ -35,7 +35,6 @@ use tower_inbox::middleware::ReplayCache;
 use tower_inbox::outbox::{Dispatcher, HttpTransport};
 use tower_inbox::retention::{Purger, RetentionPolicy};
 use tower_inbox::InboxLayer;
-use tracing_subscriber::EnvFilter;
 
 /// The example's inbox layer, with the opt-in speed settings taken from the environment.
 fn layer(pool: &sqlx::PgPool) -> Result<InboxLayer, Error> {
@@ -63,18 +62,7 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 /// A startup failure is one line naming the culprit, then exit status 1.
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
-    match run().await {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("credits: {err}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    app::main_of("credits", run()).await
 }
 
 async fn run() -> Result<(), Error> {

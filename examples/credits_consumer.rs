@@ -47,8 +47,7 @@ use serde::Deserialize;
 use tower_inbox::consumer::nats::{max_ack_pending, Handled, NatsConsumer};
 use tower_inbox::consumer::{Consumer, Processed};
 use tower_inbox::inbox::ClaimedMessage;
-use tower_inbox::outbox::{Dispatcher, NatsTransport, OutboxMessage};
-use tracing_subscriber::EnvFilter;
+use tower_inbox::outbox::{Dispatcher, NatsTransport, OutboxMessage, Transport};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -58,18 +57,7 @@ const CONSUMER: &str = "credits-worker";
 /// A startup failure is one line naming the culprit, then exit status 1.
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
-    match run().await {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(err) => {
-            eprintln!("credits_consumer: {err}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    app::main_of("credits_consumer", run()).await
 }
 
 async fn run() -> Result<(), Error> {
@@ -85,6 +73,32 @@ async fn run() -> Result<(), Error> {
             Err("CREDITS_BROKER=amqp needs the amqp feature: --features nats,amqp".into())
         }
         Ok(other) => Err(format!("CREDITS_BROKER is {other:?}: use nats or amqp").into()),
+    }
+}
+
+/// The outbox dispatcher that publishes the events, in a task of its own.
+struct EventDispatcher {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), tower_inbox::outbox::OutboxError>>,
+}
+
+impl EventDispatcher {
+    fn start(pool: &sqlx::PgPool, transport: impl Transport) -> Result<Self, Error> {
+        let dispatcher = Dispatcher::builder(pool.clone(), transport)
+            .delivery_timeout(Duration::from_secs(5))
+            .lease(Duration::from_secs(15))
+            .build()?;
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(dispatcher.run(async {
+            let _ = stopped.await;
+        }));
+        Ok(Self { stop, task })
+    }
+
+    /// Stops after the delivery in hand.
+    async fn stop(self) -> Result<(), Error> {
+        let _ = self.stop.send(());
+        Ok(self.task.await??)
     }
 }
 
@@ -183,14 +197,7 @@ async fn consume_nats(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Erro
         .map_err(|e| format!("consumer {CONSUMER} on stream {stream_name}: {e}"))?;
 
     // The events go out through the outbox, after the commit, with their effect IDs.
-    let dispatcher = Dispatcher::builder(pool.clone(), NatsTransport::new(js.clone()))
-        .delivery_timeout(Duration::from_secs(5))
-        .lease(Duration::from_secs(15))
-        .build()?;
-    let (stop_dispatcher, dispatcher_stopped) = tokio::sync::oneshot::channel::<()>();
-    let dispatcher = tokio::spawn(dispatcher.run(async {
-        let _ = dispatcher_stopped.await;
-    }));
+    let events = EventDispatcher::start(&pool, NatsTransport::new(js.clone()))?;
 
     let nats = NatsConsumer::new(consumer);
     let mut messages = durable
@@ -230,9 +237,7 @@ async fn consume_nats(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Erro
         log_outcome(&message.subject, handled);
     }
     tracing::info!("stopping after the message in hand");
-    let _ = stop_dispatcher.send(());
-    dispatcher.await??;
-    Ok(())
+    events.stop().await
 }
 
 fn log_outcome(subject: &str, handled: Result<Handled<i64, BadCommand>, impl std::fmt::Display>) {
@@ -300,9 +305,11 @@ mod amqp_mode {
     use lapin::{Connection, ConnectionProperties, ExchangeKind};
     use tower_inbox::consumer::amqp::{AmqpConsumer, Handled};
     use tower_inbox::consumer::Consumer;
-    use tower_inbox::outbox::{AmqpTransport, Dispatcher};
+    use tower_inbox::outbox::AmqpTransport;
 
-    use super::{apply, log_processed, namespace, shutdown_signal, Error, CONSUMER};
+    use super::{
+        apply, log_processed, namespace, shutdown_signal, Error, EventDispatcher, CONSUMER,
+    };
 
     pub(super) async fn consume(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Error> {
         let url = std::env::var("AMQP_URL")
@@ -341,14 +348,7 @@ mod amqp_mode {
         amqp.set_prefetch(&channel).await?;
 
         let transport = AmqpTransport::new(connection.clone()).timeout(Duration::from_secs(5));
-        let dispatcher = Dispatcher::builder(pool.clone(), transport)
-            .delivery_timeout(Duration::from_secs(5))
-            .lease(Duration::from_secs(15))
-            .build()?;
-        let (stop_dispatcher, dispatcher_stopped) = tokio::sync::oneshot::channel::<()>();
-        let dispatcher = tokio::spawn(dispatcher.run(async {
-            let _ = dispatcher_stopped.await;
-        }));
+        let events = EventDispatcher::start(&pool, transport)?;
 
         let mut deliveries = channel
             .basic_consume(
@@ -391,8 +391,6 @@ mod amqp_mode {
             }
         }
         tracing::info!("stopping after the message in hand");
-        let _ = stop_dispatcher.send(());
-        dispatcher.await??;
-        Ok(())
+        events.stop().await
     }
 }

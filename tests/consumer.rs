@@ -141,8 +141,9 @@ async fn a_failing_message_is_retried_with_backoff_then_quarantined_and_rejected
     assert!(matches!(other, Processed::Applied(())));
 }
 
-#[tokio::test]
-async fn a_serialization_failure_reruns_the_handler_and_applies_once() {
+/// A handler whose first run credits, then runs `failing` through the watched executor: the
+/// runner must run it again, and only the second run commits.
+async fn first_run_fails_with(failing: &'static str) {
     let app = TestApp::new().await;
     let consumer = consumer(&app);
     let runs = AtomicUsize::new(0);
@@ -152,10 +153,7 @@ async fn a_serialization_failure_reruns_the_handler_and_applies_once() {
             async move {
                 credit(message).await?;
                 if run == 0 {
-                    // Through the watched executor: the runner sees the SQLSTATE.
-                    sqlx::query("do $$ begin raise exception 'x' using errcode = '40001'; end $$")
-                        .execute(&mut *message)
-                        .await?;
+                    sqlx::query(failing).execute(&mut *message).await?;
                 }
                 Ok::<_, sqlx::Error>(run)
             }
@@ -168,30 +166,15 @@ async fn a_serialization_failure_reruns_the_handler_and_applies_once() {
 }
 
 #[tokio::test]
+async fn a_serialization_failure_reruns_the_handler_and_applies_once() {
+    first_run_fails_with("do $$ begin raise exception 'x' using errcode = '40001'; end $$").await;
+}
+
+#[tokio::test]
 async fn a_connection_lost_in_the_handler_reruns_on_another_and_applies_once() {
-    let app = TestApp::new().await;
-    let consumer = consumer(&app);
-    let runs = AtomicUsize::new(0);
-    let processed = consumer
-        .process(incoming("m1", "+1"), |message| {
-            let run = runs.fetch_add(1, Ordering::SeqCst);
-            async move {
-                credit(message).await?;
-                if run == 0 {
-                    // The server ends this session: the statement fails, the connection is
-                    // gone, and nothing of the run committed.
-                    sqlx::query("select pg_terminate_backend(pg_backend_pid())")
-                        .execute(&mut *message)
-                        .await?;
-                }
-                Ok::<_, sqlx::Error>(())
-            }
-            .boxed()
-        })
-        .await;
-    assert!(matches!(processed, Processed::Applied(())), "{processed:?}");
-    assert_eq!(runs.load(Ordering::SeqCst), 2);
-    assert_eq!(app.balance("acct").await, Some(1));
+    // The server ends this session: the statement fails, the connection is gone, and
+    // nothing of the run committed.
+    first_run_fails_with("select pg_terminate_backend(pg_backend_pid())").await;
 }
 
 #[tokio::test]

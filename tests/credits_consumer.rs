@@ -91,14 +91,13 @@ async fn killed_again_and_again_it_applies_every_command_once_and_publishes_one_
     };
     service.start();
     // The streams exist once the first instance is up.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while js.get_stream(&stream).await.is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "the consumer never created {stream}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(Duration::from_secs(30), || async {
+        let created = js.get_stream(&stream).await.is_ok();
+        created
+            .then_some(())
+            .ok_or(format!("the consumer never created {stream}"))
+    })
+    .await;
 
     // A steady publisher: each command twice (the producer retries), over a few seconds.
     let publisher = {
@@ -126,27 +125,21 @@ async fn killed_again_and_again_it_applies_every_command_once_and_publishes_one_
 
     // Left alone, it finishes: every command applied, every event published.
     let pool = db.pool(2).await;
-    let deadline = Instant::now() + Duration::from_secs(90);
-    loop {
+    eventually(Duration::from_secs(90), || async {
         let (rows, event_count) = (ledger_rows(&pool).await, event_count(&js, &events).await);
-        if rows >= COMMANDS as i64 && event_count >= COMMANDS as u64 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
+        let done = rows >= COMMANDS as i64 && event_count >= COMMANDS as u64;
+        done.then_some(()).ok_or(format!(
             "after the kills: {rows} ledger rows and {event_count} events of {COMMANDS}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        ))
+    })
+    .await;
     // The poison message fails three deliveries, then sits in the quarantine.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while quarantined(&pool).await < 1 {
-        assert!(
-            Instant::now() < deadline,
-            "the poison message was not quarantined"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    eventually(Duration::from_secs(60), || async {
+        let done = quarantined(&pool).await >= 1;
+        done.then_some(())
+            .ok_or("the poison message was not quarantined".to_owned())
+    })
+    .await;
     assert!(service.terminate().success(), "SIGTERM is a clean stop");
 
     let per_id: Vec<(String, i64)> = sqlx::query_as(
@@ -177,6 +170,22 @@ async fn killed_again_and_again_it_applies_every_command_once_and_publishes_one_
     assert_eq!(undelivered, 0);
     let _ = js.delete_stream(&stream).await;
     let _ = js.delete_stream(&events).await;
+}
+
+/// Polls `check` until it answers `Ok`; past `limit` the test fails with its last answer.
+async fn eventually<F, Fut>(limit: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<(), String>>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        match check().await {
+            Ok(()) => return,
+            Err(why) => assert!(Instant::now() < deadline, "{why}"),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 async fn ledger_rows(pool: &sqlx::PgPool) -> i64 {
@@ -322,7 +331,6 @@ async fn in_rabbitmq_mode_too_every_command_is_applied_once_and_has_its_event() 
     println!("{kills} SIGKILLs of the consumer under {AMQP_COMMANDS} commands published twice");
 
     let pool = db.pool(2).await;
-    let deadline = Instant::now() + Duration::from_secs(90);
     let event_count = || async {
         let passive = QueueDeclareOptions::default().passive();
         channel
@@ -331,17 +339,14 @@ async fn in_rabbitmq_mode_too_every_command_is_applied_once_and_has_its_event() 
             .map(|q| q.message_count())
             .unwrap_or(0)
     };
-    loop {
+    eventually(Duration::from_secs(90), || async {
         let (rows, seen) = (ledger_rows(&pool).await, event_count().await);
-        if rows >= AMQP_COMMANDS as i64 && seen >= AMQP_COMMANDS as u32 {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
+        let done = rows >= AMQP_COMMANDS as i64 && seen >= AMQP_COMMANDS as u32;
+        done.then_some(()).ok_or(format!(
             "after the kills: {rows} ledger rows and {seen} events of {AMQP_COMMANDS}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        ))
+    })
+    .await;
     assert!(service.terminate().success(), "SIGTERM is a clean stop");
     let per_id: Vec<(String, i64)> =
         sqlx::query_as("select message_id, count(*) from credit_ledger group by message_id")

@@ -31,6 +31,24 @@ pub const CONSUMER: &str = "credits";
 /// prove it.
 const SCHEMA: &str = include_str!("schema.sql");
 
+/// Runs an example's `run` with its logs at info (or as `RUST_LOG` says): a failure is one
+/// line, `<name>: <error>`, never a Debug dump, then exit status 1.
+pub async fn main_of(
+    name: &str,
+    run: impl std::future::Future<Output = Result<(), Box<dyn std::error::Error + Send + Sync>>>,
+) -> std::process::ExitCode {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt().with_env_filter(filter).init();
+    match run.await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("{name}: {err}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// A pool for the example's database: `DATABASE_URL`, else the database the tests would use
 /// (the server on 127.0.0.1:5432, else a throwaway cluster from the local binaries). Says
 /// which server it uses (never the password); a failure is one line naming the server and
