@@ -2,7 +2,8 @@
 //!
 //! ```sh
 //! cargo run --example credits_consumer --features nats
-//! nats pub credits.commands.a1 '{"delta": 10}' -H Nats-Msg-Id:c-1 -H X-Producer:app
+//! # in another terminal: credit account a1 with 10, message ID c-1 (any client will do)
+//! cargo run --example credits_consumer --features nats -- publish a1 10 c-1
 //! ```
 //!
 //! Same database and tables as `examples/credits.rs` (`DATABASE_URL`, else the local server,
@@ -22,6 +23,11 @@
 //!   another body is a conflict: not applied, terminated, kept in the quarantine.
 //! - One log line per message at info; nothing over HTTP. SIGTERM or Ctrl-C stops it after
 //!   the message in hand.
+//!
+//! `publish ACCOUNT DELTA MESSAGE_ID` sends one command as a producer would (producer
+//! `CREDITS_PRODUCER`, default `app`), to the broker `CREDITS_BROKER` names, waits for the
+//! broker to take it, prints one line and exits: sending the same message ID twice is how a
+//! producer's retry looks. The consumer must have run once, to create the stream or queue.
 //!
 //! `CREDITS_NAMESPACE` (default `credits`) renames the subjects (`<ns>.commands.>`,
 //! `<ns>.events.<account_id>`) and streams (`<NS>`, `<NS>_EVENTS`), so that a second
@@ -61,6 +67,13 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run() -> Result<(), Error> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if let Some(("publish", command)) = args.split_first().map(|(a, r)| (a.as_str(), r)) {
+        return publish::command(command).await;
+    }
+    if let Some(unknown) = args.first() {
+        return Err(format!("unknown argument {unknown:?}: {}", publish::USAGE).into());
+    }
     let pool = app::connect(16).await?;
     app::prepare(&pool).await?;
     let consumer = Consumer::builder(pool.clone(), CONSUMER).build()?;
@@ -216,11 +229,25 @@ async fn consume_nats(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Erro
         let message = match message {
             Some(Ok(message)) => message,
             Some(Err(err)) => {
-                // The pull subscription re-establishes itself; a hiccup is not fatal.
+                // The client reconnects and the pull subscription re-establishes itself; a
+                // message in hand whose ack was lost is delivered again after `ack_wait`.
                 tracing::warn!(error = %err, "receiving from JetStream failed");
                 continue;
             }
-            None => break,
+            None => {
+                // The stream ended without a stop asked for: pull again on the same
+                // durable consumer, where every unacknowledged message still waits.
+                tracing::warn!("the JetStream pull ended; pulling again");
+                tokio::select! {
+                    () = tokio::time::sleep(Duration::from_millis(500)) => {}
+                    () = &mut shutdown => break,
+                }
+                match durable.messages().await {
+                    Ok(again) => messages = again,
+                    Err(err) => tracing::warn!(error = %err, "pulling from JetStream failed"),
+                }
+                continue;
+            }
         };
         let account = message
             .subject
@@ -292,21 +319,118 @@ async fn shutdown_signal() {
     }
 }
 
+mod publish {
+    //! `publish ACCOUNT DELTA MESSAGE_ID`: one command, as a producer sends it.
+
+    use async_nats::jetstream;
+    use async_nats::HeaderMap;
+
+    use super::{namespace, Error};
+
+    pub(super) const USAGE: &str = "usage: credits_consumer [publish ACCOUNT DELTA MESSAGE_ID]";
+
+    pub(super) async fn command(args: &[String]) -> Result<(), Error> {
+        let [account, delta, id] = args else {
+            return Err(USAGE.into());
+        };
+        let delta: i64 = delta
+            .parse()
+            .map_err(|_| format!("DELTA {delta:?} is not an integer"))?;
+        let valid_account = !account.is_empty()
+            && account.len() <= 128
+            && account
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+        if !valid_account {
+            return Err(
+                format!("ACCOUNT {account:?} is not 1 to 128 of A-Z, a-z, 0-9, - and _").into(),
+            );
+        }
+        let sent = Sent {
+            ns: namespace()?,
+            account,
+            delta,
+            id,
+            producer: std::env::var("CREDITS_PRODUCER").unwrap_or_else(|_| "app".to_owned()),
+        };
+        match std::env::var("CREDITS_BROKER").as_deref() {
+            Ok("nats") | Err(_) => nats(&sent).await,
+            #[cfg(feature = "amqp")]
+            Ok("amqp") => super::amqp_mode::publish(&sent).await,
+            #[cfg(not(feature = "amqp"))]
+            Ok("amqp") => {
+                Err("CREDITS_BROKER=amqp needs the amqp feature: --features nats,amqp".into())
+            }
+            Ok(other) => Err(format!("CREDITS_BROKER is {other:?}: use nats or amqp").into()),
+        }
+    }
+
+    /// One command to send, and where.
+    pub(super) struct Sent<'a> {
+        pub(super) ns: String,
+        pub(super) account: &'a str,
+        pub(super) delta: i64,
+        pub(super) id: &'a str,
+        pub(super) producer: String,
+    }
+
+    async fn nats(sent: &Sent<'_>) -> Result<(), Error> {
+        let Sent {
+            ns,
+            account,
+            delta,
+            id,
+            producer,
+        } = sent;
+        let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+        let client = async_nats::connect(&url)
+            .await
+            .map_err(|e| format!("cannot connect to NATS at {url} (NATS_URL): {e}"))?;
+        let subject = format!("{ns}.commands.{account}");
+        let mut headers = HeaderMap::new();
+        headers.insert("Nats-Msg-Id", *id);
+        headers.insert("X-Producer", producer.as_str());
+        headers.insert("Content-Type", "application/json");
+        let body = serde_json::json!({ "delta": delta }).to_string();
+        let ack = jetstream::new(client)
+            .publish_with_headers(subject.clone(), headers, body.into())
+            .await
+            .map_err(|e| format!("publishing to {subject}: {e}"))?
+            .await
+            .map_err(|e| {
+                format!("no stream took {subject} ({e}): has the consumer run once to create it?")
+            })?;
+        let duplicate = if ack.duplicate {
+            ", a duplicate the stream dropped"
+        } else {
+            ""
+        };
+        println!(
+            "published {id} to {subject}: stream {} sequence {}{duplicate}",
+            ack.stream, ack.sequence
+        );
+        Ok(())
+    }
+}
+
 #[cfg(feature = "amqp")]
 mod amqp_mode {
     //! The RabbitMQ mode: the same commands from a queue, the events to a topic exchange.
 
-    use std::sync::Arc;
     use std::time::Duration;
 
     use futures_util::{FutureExt, StreamExt};
-    use lapin::options::{BasicConsumeOptions, ExchangeDeclareOptions, QueueDeclareOptions};
+    use lapin::options::{
+        BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
+        QueueDeclareOptions,
+    };
     use lapin::types::FieldTable;
-    use lapin::{Connection, ConnectionProperties, ExchangeKind};
+    use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, ExchangeKind};
     use tower_inbox::consumer::amqp::{AmqpConsumer, Handled};
     use tower_inbox::consumer::Consumer;
     use tower_inbox::outbox::AmqpTransport;
 
+    use super::publish::Sent;
     use super::{
         apply, log_processed, namespace, shutdown_signal, Error, EventDispatcher, CONSUMER,
     };
@@ -315,12 +439,148 @@ mod amqp_mode {
         let url = std::env::var("AMQP_URL")
             .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
         let ns = namespace()?;
-        let (queue, exchange) = (format!("{ns}.commands"), format!("{ns}.events"));
-        // The URL holds a password: the error names the variable, not the URL.
+        let names = Names {
+            queue: format!("{ns}.commands"),
+            exchange: format!("{ns}.events"),
+        };
+        let amqp = AmqpConsumer::new(consumer);
+        // The first connection failing is a startup error; a later loss is reconnected.
+        let (mut _connection, mut deliveries) = open(&url, &names, &amqp).await?;
+
+        // The transport keeps a connection of its own and reopens it when lost.
+        let transport = AmqpTransport::connect(url.as_str(), ConnectionProperties::default())
+            .timeout(Duration::from_secs(5));
+        let events = EventDispatcher::start(&pool, transport)?;
+        tracing::info!("consuming queue {} as {CONSUMER}", names.queue);
+        let shutdown = shutdown_signal();
+        tokio::pin!(shutdown);
+        'consuming: loop {
+            let delivery = tokio::select! {
+                delivery = deliveries.next() => delivery,
+                () = &mut shutdown => break,
+            };
+            let delivery = match delivery {
+                Some(Ok(delivery)) => delivery,
+                // The connection or channel is gone, and with it every unacknowledged
+                // delivery, which the broker requeues: open a new one and go on.
+                lost => {
+                    let why = match lost {
+                        Some(Err(err)) => err.to_string(),
+                        _ => "the broker ended the consumer".to_owned(),
+                    };
+                    tracing::warn!(error = %why, "lost the RabbitMQ connection; reconnecting");
+                    let mut backoff = Duration::from_millis(100);
+                    loop {
+                        tokio::select! {
+                            () = tokio::time::sleep(backoff) => {}
+                            () = &mut shutdown => break 'consuming,
+                        }
+                        match open(&url, &names, &amqp).await {
+                            Ok(reopened) => {
+                                (_connection, deliveries) = reopened;
+                                tracing::info!("reconnected to RabbitMQ");
+                                continue 'consuming;
+                            }
+                            Err(err) => {
+                                tracing::warn!(error = %err, "reconnecting to RabbitMQ failed")
+                            }
+                        }
+                        backoff = (backoff * 2).min(Duration::from_secs(5));
+                    }
+                }
+            };
+            let body = delivery.data.clone();
+            let handled = amqp
+                .handle(&delivery, |claimed| {
+                    let (body, exchange) = (body.clone(), names.exchange.clone());
+                    let events = move |account: &str| format!("{exchange}/{account}");
+                    async move { apply(claimed, None, &body, events).await }.boxed()
+                })
+                .await;
+            match handled {
+                Ok(Handled::Processed(processed)) => log_processed(&names.queue, processed),
+                Ok(Handled::Unidentified(why)) => {
+                    tracing::info!(source = %names.queue, outcome = "unidentified", %why, "message rejected")
+                }
+                Err(err) => {
+                    tracing::warn!(source = %names.queue, error = %err, "settling failed; delivered again later")
+                }
+            }
+        }
+        tracing::info!("stopping after the message in hand");
+        events.stop().await
+    }
+
+    /// Sends one command to the queue, persistent, and waits for the broker's confirm.
+    pub(super) async fn publish(sent: &Sent<'_>) -> Result<(), Error> {
+        let Sent {
+            ns,
+            account,
+            delta,
+            id,
+            producer,
+        } = sent;
+        let url = std::env::var("AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+        let queue = format!("{ns}.commands");
         let connection = Connection::connect(&url, ConnectionProperties::default())
             .await
             .map_err(|e| format!("cannot connect to RabbitMQ (AMQP_URL): {e}"))?;
-        let connection = Arc::new(connection);
+        let channel = connection.create_channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await?;
+        let body = serde_json::json!({ "account_id": account, "delta": delta }).to_string();
+        let properties = BasicProperties::default()
+            .with_message_id((*id).into())
+            .with_app_id(producer.as_str().into())
+            .with_content_type("application/json".into())
+            .with_delivery_mode(2);
+        // Mandatory: a queue that is not there sends the message back rather than drop it.
+        let mandatory = BasicPublishOptions {
+            mandatory: true,
+            immediate: false,
+        };
+        let confirmation = channel
+            .basic_publish(
+                "".into(),
+                queue.as_str().into(),
+                mandatory,
+                body.as_bytes(),
+                properties,
+            )
+            .await?
+            .await?;
+        match confirmation {
+            Confirmation::Ack(None) => {
+                println!("published {id} to queue {queue}");
+                Ok(())
+            }
+            Confirmation::Ack(Some(_)) => {
+                Err(format!("no queue {queue}: has the consumer run once to declare it?").into())
+            }
+            _ => Err(format!("RabbitMQ did not confirm {id} on queue {queue}").into()),
+        }
+    }
+
+    /// The queue commands come from and the exchange events go to.
+    struct Names {
+        queue: String,
+        exchange: String,
+    }
+
+    /// Connects, declares the queue and the exchange if missing, and starts consuming. The
+    /// URL holds a password: errors name the variable, not the URL. The connection is
+    /// returned to be kept: the consumer lives on it.
+    async fn open(
+        url: &str,
+        names: &Names,
+        amqp: &AmqpConsumer,
+    ) -> Result<(Connection, lapin::Consumer), Error> {
+        let Names { queue, exchange } = names;
+        let connection = Connection::connect(url, ConnectionProperties::default())
+            .await
+            .map_err(|e| format!("cannot connect to RabbitMQ (AMQP_URL): {e}"))?;
         let channel = connection.create_channel().await?;
         let durable = QueueDeclareOptions {
             durable: true,
@@ -343,14 +603,9 @@ mod amqp_mode {
             )
             .await
             .map_err(|e| format!("exchange {exchange}: {e}"))?;
-        let amqp = AmqpConsumer::new(consumer);
         // Each delivery in hand may hold a pooled connection: no more than the pool.
         amqp.set_prefetch(&channel).await?;
-
-        let transport = AmqpTransport::new(connection.clone()).timeout(Duration::from_secs(5));
-        let events = EventDispatcher::start(&pool, transport)?;
-
-        let mut deliveries = channel
+        let deliveries = channel
             .basic_consume(
                 queue.as_str().into(),
                 CONSUMER.into(),
@@ -359,38 +614,6 @@ mod amqp_mode {
             )
             .await
             .map_err(|e| format!("consuming {queue}: {e}"))?;
-        tracing::info!("consuming queue {queue} as {CONSUMER}");
-        let shutdown = shutdown_signal();
-        tokio::pin!(shutdown);
-        loop {
-            let delivery = tokio::select! {
-                delivery = deliveries.next() => delivery,
-                () = &mut shutdown => break,
-            };
-            let delivery = match delivery {
-                Some(Ok(delivery)) => delivery,
-                Some(Err(err)) => return Err(format!("consuming {queue}: {err}").into()),
-                None => break,
-            };
-            let body = delivery.data.clone();
-            let handled = amqp
-                .handle(&delivery, |claimed| {
-                    let (body, exchange) = (body.clone(), exchange.clone());
-                    let events = move |account: &str| format!("{exchange}/{account}");
-                    async move { apply(claimed, None, &body, events).await }.boxed()
-                })
-                .await;
-            match handled {
-                Ok(Handled::Processed(processed)) => log_processed(&queue, processed),
-                Ok(Handled::Unidentified(why)) => {
-                    tracing::info!(source = %queue, outcome = "unidentified", %why, "message rejected")
-                }
-                Err(err) => {
-                    tracing::warn!(source = %queue, error = %err, "settling failed; delivered again later")
-                }
-            }
-        }
-        tracing::info!("stopping after the message in hand");
-        events.stop().await
+        Ok((connection, deliveries))
     }
 }

@@ -265,3 +265,76 @@ async fn the_transport_publishes_confirmed_persistent_messages_keyed_by_the_effe
     assert_eq!(text(delivery.properties.message_id()), Some("eff-5"));
     broker.delete().await;
 }
+
+/// Publishes `id` until the transport reports it delivered (at most `tries` times, a short
+/// pause apart), and returns the outcomes that were not.
+async fn deliver_until_delivered(
+    transport: &AmqpTransport,
+    id: &str,
+    to: &str,
+    tries: usize,
+) -> (bool, Vec<Sent>) {
+    let mut failed = Vec::new();
+    for _ in 0..tries {
+        match transport.deliver(&effect(id, to.to_owned())).await {
+            Sent::Delivered { .. } => return (true, failed),
+            other => failed.push(other),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    (false, failed)
+}
+
+/// The broker connection cut under the transport: one that owns its connection
+/// ([`AmqpTransport::connect`]) opens a new one and delivers again; one on the caller's
+/// connection ([`AmqpTransport::new`]) retries until the caller replaces it, as documented.
+#[tokio::test]
+async fn the_transport_reopens_its_own_connection_after_a_cut_and_not_the_callers() {
+    let (_app, broker, _amqp) = setup("transport_cut", "classic").await;
+    let exchange = format!("{}.events", broker.queue);
+    exchange_declare(&broker.channel, &exchange, ExchangeKind::Direct).await;
+    bind(&broker.channel, &broker.queue, &exchange, "credited").await;
+    let to = format!("{exchange}/credited");
+    let proxy = common::proxy::Proxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let uri = format!("amqp://guest:guest@{}/%2f", proxy.addr());
+
+    let own = AmqpTransport::connect(uri.as_str(), lapin::ConnectionProperties::default())
+        .timeout(PATIENCE);
+    assert!(
+        !format!("{own:?}").contains("guest"),
+        "the URI is not printed"
+    );
+    let (delivered, _) = deliver_until_delivered(&own, "own-1", &to, 1).await;
+    assert!(delivered, "before the cut");
+    assert_eq!(proxy.connections(), 1);
+    proxy.cut_all();
+    let (delivered, failed) = deliver_until_delivered(&own, "own-2", &to, 20).await;
+    assert!(delivered, "after the cut: {failed:?}");
+    assert_eq!(
+        proxy.connections(),
+        2,
+        "one new connection, opened by the transport"
+    );
+    let channel = broker.channel().await;
+    for id in ["own-1", "own-2"] {
+        let delivery = broker.get(&channel).await;
+        assert_eq!(text(delivery.properties.message_id()), Some(id));
+    }
+
+    let callers = lapin::Connection::connect(&uri, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let shared = AmqpTransport::new(Arc::new(callers)).timeout(PATIENCE);
+    let (delivered, _) = deliver_until_delivered(&shared, "shared-1", &to, 1).await;
+    assert!(delivered, "before the cut");
+    let before = proxy.connections();
+    proxy.cut_all();
+    let (delivered, failed) = deliver_until_delivered(&shared, "shared-2", &to, 5).await;
+    assert!(!delivered, "the caller's connection is not reopened");
+    assert!(
+        failed.iter().all(|f| matches!(f, Sent::Retry { .. })),
+        "{failed:?}"
+    );
+    assert_eq!(proxy.connections(), before, "nothing connected");
+    broker.delete().await;
+}

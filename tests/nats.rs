@@ -5,6 +5,7 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{pull, PullConsumer};
@@ -14,6 +15,7 @@ use bytes::Bytes;
 use common::TestApp;
 use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
+use tokio::sync::Notify;
 use tower_inbox::consumer::nats::{Handled, NatsConsumer, Unidentified};
 use tower_inbox::consumer::{Consumer, Processed};
 use tower_inbox::inbox::ClaimedMessage;
@@ -184,6 +186,87 @@ async fn a_republish_after_the_duplicate_window_is_applied_once() {
         nats.handle(&copy, credit).await.unwrap(),
         Handled::Processed(Processed::Duplicate(_))
     ));
+    assert_eq!(app.balance("acct").await, Some(1));
+    stream.delete().await;
+}
+
+/// Two workers on one durable consumer hold two copies of one command (republished past
+/// the duplicate window) at once. The first applies it; the second meets the claim in
+/// flight, gives up after its in-flight wait and naks the copy with a delay instead of
+/// holding a connection; delivered again, the copy is acked as a duplicate. One credit.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_workers_with_copies_of_one_command_at_once_apply_it_once() {
+    let app = TestApp::new().await;
+    let window = Duration::from_millis(500);
+    let stream = TestStream::new("two_workers", window, Duration::from_secs(30)).await;
+    let worker = |wait| {
+        let consumer = Consumer::builder(app.pool.clone(), "worker")
+            .in_flight_wait(wait)
+            .build()
+            .unwrap();
+        NatsConsumer::new(consumer)
+    };
+    let (first_worker, second_worker) = (worker(SOON), worker(Duration::from_millis(100)));
+    stream.publish(Some("m1"), r#"{"delta":1}"#).await;
+    tokio::time::sleep(window * 3).await;
+    assert!(
+        !stream.publish(Some("m1"), r#"{"delta":1}"#).await,
+        "stored again"
+    );
+    let first = stream.next(SOON).await.expect("the first copy");
+    let second = stream.next(SOON).await.expect("the second copy");
+    assert_ne!(
+        first.info().unwrap().stream_sequence,
+        second.info().unwrap().stream_sequence
+    );
+
+    // The first worker claims and holds the claim until told to go on.
+    let (claimed, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    let holder = {
+        let (claimed, release) = (claimed.clone(), release.clone());
+        tokio::spawn(async move {
+            let handled = first_worker
+                .handle(&first, |message| {
+                    let (claimed, release) = (claimed.clone(), release.clone());
+                    async move {
+                        claimed.notify_one();
+                        release.notified().await;
+                        credit(message).await
+                    }
+                    .boxed()
+                })
+                .await;
+            handled.unwrap()
+        })
+    };
+    claimed.notified().await;
+    let met = second_worker.handle(&second, credit).await.unwrap();
+    assert!(
+        matches!(met, Handled::Processed(Processed::InProgress)),
+        "the second copy meets the claim in flight: {met:?}"
+    );
+    release.notify_one();
+    let held = holder.await.unwrap();
+    assert!(
+        matches!(held, Handled::Processed(Processed::Applied(()))),
+        "{held:?}"
+    );
+
+    // The nak's delay passes and the second copy comes back: now a duplicate, acked.
+    let again = stream
+        .next(Duration::from_secs(10))
+        .await
+        .expect("naked, so delivered again");
+    assert_eq!(again.info().unwrap().delivered, 2);
+    let replayed = second_worker.handle(&again, credit).await.unwrap();
+    assert!(
+        matches!(replayed, Handled::Processed(Processed::Duplicate(_))),
+        "{replayed:?}"
+    );
+    assert!(
+        stream.next(Duration::from_secs(2)).await.is_none(),
+        "both acked"
+    );
     assert_eq!(app.balance("acct").await, Some(1));
     stream.delete().await;
 }

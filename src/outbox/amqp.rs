@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use tokio::sync::Mutex;
 
 use super::transport::{Delivery, Transport};
@@ -43,16 +43,40 @@ const PERSISTENT: u8 = 2;
 ///
 /// The transport publishes on a channel of its own with confirms enabled, opened on the
 /// first delivery and again after the broker closes it (a missing exchange closes the
-/// channel it was published on). Publishes share the channel concurrently. The connection
-/// is the caller's and the transport never reopens it: while it is lost every delivery is
-/// retried later, until it is usable again (lapin's `enable_auto_recover`) or replaced.
+/// channel it was published on). Publishes share the channel concurrently.
+///
+/// **A lost connection.** Built with [`connect`](Self::connect), the transport owns its
+/// connection: it opens it on the first delivery and opens a new one on the next delivery
+/// after it is lost (a broker restart, a cut network), so the dispatcher's retries go out
+/// again once the broker is back, with nobody restarting anything. Built with
+/// [`new`](Self::new), the connection is the caller's and the transport never reopens it:
+/// while it is lost every delivery is retried later, until the caller replaces it.
 ///
 /// [`AmqpConsumer`]: crate::consumer::amqp::AmqpConsumer
 pub struct AmqpTransport {
-    connection: Arc<Connection>,
-    channel: Mutex<Option<Channel>>,
+    source: Source,
+    link: Mutex<Link>,
     app_id: Option<ShortString>,
     timeout: Option<Duration>,
+}
+
+/// Where the transport's connection comes from.
+enum Source {
+    /// The caller's connection, used as it is.
+    Shared(Arc<Connection>),
+    /// A connection of its own, opened again when lost. The URI may hold a password: it
+    /// is never printed.
+    Own {
+        uri: String,
+        properties: ConnectionProperties,
+    },
+}
+
+/// The connection and channel in use, replaced when they fail.
+#[derive(Default)]
+struct Link {
+    connection: Option<Arc<Connection>>,
+    channel: Option<Channel>,
 }
 
 impl std::fmt::Debug for AmqpTransport {
@@ -68,9 +92,41 @@ impl AmqpTransport {
     /// Publishes on channels of `connection`, without a bound of its own on the wait for a
     /// confirm (see [`timeout`](Self::timeout)).
     pub fn new(connection: Arc<Connection>) -> Self {
+        Self::from_source(Source::Shared(connection))
+    }
+
+    /// Publishes on a connection of its own to `uri` (`amqp://user:password@host:5672/%2f`),
+    /// opened on the first delivery and again whenever it is lost; see the
+    /// [type docs](Self). Nothing connects here: a broker that is down makes deliveries
+    /// retry, not this call fail. The URI is never printed, neither by `Debug` nor in
+    /// delivery errors.
+    ///
+    /// ```no_run
+    /// use std::time::Duration;
+    /// use tower_inbox::outbox::{AmqpTransport, Dispatcher};
+    ///
+    /// # fn run(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let transport = AmqpTransport::connect(
+    ///     "amqp://guest:guest@127.0.0.1:5672/%2f",
+    ///     lapin::ConnectionProperties::default(),
+    /// )
+    /// .timeout(Duration::from_secs(5));
+    /// let dispatcher = Dispatcher::builder(pool, transport)
+    ///     .delivery_timeout(Duration::from_secs(10))
+    ///     .build()?;
+    /// # Ok(()) }
+    /// ```
+    pub fn connect(uri: impl Into<String>, properties: ConnectionProperties) -> Self {
+        Self::from_source(Source::Own {
+            uri: uri.into(),
+            properties,
+        })
+    }
+
+    fn from_source(source: Source) -> Self {
         Self {
-            connection,
-            channel: Mutex::new(None),
+            source,
+            link: Mutex::new(Link::default()),
             app_id: None,
             timeout: None,
         }
@@ -95,15 +151,26 @@ impl AmqpTransport {
     /// The channel to publish on, opened with confirms enabled when there is none that is
     /// open.
     async fn channel(&self) -> lapin::Result<Channel> {
-        let mut cached = self.channel.lock().await;
-        if let Some(channel) = cached.as_ref().filter(|c| c.status().connected()) {
+        let mut link = self.link.lock().await;
+        if let Some(channel) = link.channel.as_ref().filter(|c| c.status().connected()) {
             return Ok(channel.clone());
         }
-        let channel = self.connection.create_channel().await?;
+        let connection = match (&self.source, &link.connection) {
+            (Source::Shared(connection), _) => connection.clone(),
+            (Source::Own { .. }, Some(open)) if open.status().connected() => open.clone(),
+            (Source::Own { uri, properties }, _) => {
+                // The lost one (if any) goes first: a failed connect leaves none cached.
+                link.connection = None;
+                let opened = Arc::new(Connection::connect(uri, properties.clone()).await?);
+                link.connection = Some(opened.clone());
+                opened
+            }
+        };
+        let channel = connection.create_channel().await?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
             .await?;
-        *cached = Some(channel.clone());
+        link.channel = Some(channel.clone());
         Ok(channel)
     }
 
@@ -206,7 +273,7 @@ impl Transport for AmqpTransport {
             }
         };
         if suspect {
-            self.channel.lock().await.take();
+            self.link.lock().await.channel = None;
         }
         Delivery::Retry {
             status: None,

@@ -1,12 +1,14 @@
-//! A TCP proxy between the service's pool and PostgreSQL that can cut a connection at a
-//! chosen message: the network failing in the middle of the protocol, on purpose.
+//! A TCP proxy between a client and its server (the pool and PostgreSQL, a consumer and its
+//! broker) that can cut a connection at a chosen message, or every open connection at once:
+//! the network failing in the middle of the protocol, on purpose.
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 
 /// When an armed proxy cuts: before or after the matching message reaches the server.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +32,9 @@ pub struct Proxy {
     addr: SocketAddr,
     armed: Arc<Mutex<Option<Armed>>>,
     cuts: Arc<Notify>,
+    /// Bumped by [`cut_all`](Proxy::cut_all): every relay open at the time ends.
+    generation: watch::Sender<u64>,
+    accepted: Arc<AtomicUsize>,
 }
 
 impl Proxy {
@@ -38,16 +43,49 @@ impl Proxy {
         let addr = listener.local_addr().expect("proxy address");
         let armed: Arc<Mutex<Option<Armed>>> = Arc::default();
         let cuts = Arc::new(Notify::new());
-        let (a, c) = (armed.clone(), cuts.clone());
+        let (generation, _) = watch::channel(0u64);
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let (a, c, g, n) = (
+            armed.clone(),
+            cuts.clone(),
+            generation.clone(),
+            accepted.clone(),
+        );
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(upstream).await else {
                     continue;
                 };
-                tokio::spawn(relay(client, server, a.clone(), c.clone()));
+                n.fetch_add(1, Ordering::SeqCst);
+                let mut killed = g.subscribe();
+                let relay = relay(client, server, a.clone(), c.clone());
+                tokio::spawn(async move {
+                    tokio::select! {
+                        () = relay => {}
+                        _ = killed.changed() => {}
+                    }
+                });
             }
         });
-        Self { addr, armed, cuts }
+        Self {
+            addr,
+            armed,
+            cuts,
+            generation,
+            accepted,
+        }
+    }
+
+    /// Ends every connection open now, both ways, as a broken network or a restarted peer
+    /// would; connections made afterwards are forwarded as before.
+    pub fn cut_all(&self) {
+        self.generation.send_modify(|g| *g += 1);
+    }
+
+    /// How many connections the proxy has forwarded so far: more than the client opened at
+    /// first means it reconnected.
+    pub fn connections(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
     }
 
     pub fn addr(&self) -> SocketAddr {
