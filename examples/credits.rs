@@ -62,7 +62,7 @@ type Error = Box<dyn std::error::Error + Send + Sync>;
 /// A startup failure is one line naming the culprit, then exit status 1.
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    app::main_of("credits", run()).await
+    app::main_of("credits", "info", run()).await
 }
 
 async fn run() -> Result<(), Error> {

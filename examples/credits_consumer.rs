@@ -63,7 +63,10 @@ const CONSUMER: &str = "credits-worker";
 /// A startup failure is one line naming the culprit, then exit status 1.
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
-    app::main_of("credits_consumer", run()).await
+    // Publishing prints one line of its own; the client's connection logs would drown it.
+    let publishing = std::env::args().nth(1).as_deref() == Some("publish");
+    let level = if publishing { "warn" } else { "info" };
+    app::main_of("credits_consumer", level, run()).await
 }
 
 async fn run() -> Result<(), Error> {

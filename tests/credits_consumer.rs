@@ -66,7 +66,7 @@ impl Service {
         let output = Command::new(&self.binary)
             .args(["publish", account, delta, id])
             .envs(self.env.iter().map(|(n, v)| (n, v)))
-            .env("RUST_LOG", "warn")
+            .env_remove("RUST_LOG")
             .output()
             .expect("run the example's publish");
         let (stdout, stderr) = (

@@ -31,14 +31,15 @@ pub const CONSUMER: &str = "credits";
 /// prove it.
 const SCHEMA: &str = include_str!("schema.sql");
 
-/// Runs an example's `run` with its logs at info (or as `RUST_LOG` says): a failure is one
-/// line, `<name>: <error>`, never a Debug dump, then exit status 1.
+/// Runs an example's `run` with its logs at `level` (or as `RUST_LOG` says): a failure is
+/// one line, `<name>: <error>`, never a Debug dump, then exit status 1.
 pub async fn main_of(
     name: &str,
+    level: &str,
     run: impl std::future::Future<Output = Result<(), Box<dyn std::error::Error + Send + Sync>>>,
 ) -> std::process::ExitCode {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     tracing_subscriber::fmt().with_env_filter(filter).init();
     match run.await {
         Ok(()) => std::process::ExitCode::SUCCESS,
