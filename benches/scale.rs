@@ -52,7 +52,7 @@
 //! | `SCALE_PURGE_CONCURRENCY` | 8 | requests in flight during `purge` |
 //! | `SCALE_PURGE_BASE_SECS` | 10 | seconds of load without the purge, before and after it |
 //! | `SCALE_PURGE_BATCH` | 200 | the purger's batch size (its default) |
-//! | `SCALE_PURGE_PAUSE_MS` | 20 | the purger's pause between batches (its default) |
+//! | `SCALE_PURGE_PAUSE_MS` | 50 | the purger's pause between batches (its default) |
 //! | `SCALE_ONE_KEY` | 64 | concurrent requests of `one-key` |
 //! | `SCALE_ONE_KEY_TRIALS` | 20 | trials of `one-key` |
 //! | `SCALE_HOLD_REQUESTS` | 2000 | requests per case, mode and round (`hold`) |
@@ -171,7 +171,7 @@ impl Config {
             purge_concurrency: env_num("SCALE_PURGE_CONCURRENCY", 8, 1)?,
             purge_base: Duration::from_secs(purge_base),
             purge_batch: env_num("SCALE_PURGE_BATCH", 200, 1)?,
-            purge_pause: Duration::from_millis(env_num("SCALE_PURGE_PAUSE_MS", 20, 0)?),
+            purge_pause: Duration::from_millis(env_num("SCALE_PURGE_PAUSE_MS", 50, 0)?),
             one_key: env_num("SCALE_ONE_KEY", 64, 2)?,
             one_key_trials: env_num("SCALE_ONE_KEY_TRIALS", 20, 1)?,
             hold_requests: env_num("SCALE_HOLD_REQUESTS", 2000, 1)?,
