@@ -67,6 +67,10 @@ pub const INBOX_ROWS: &str = "inbox_rows";
 pub const INBOX_OLDEST_AGE: &str = "inbox_oldest_row_age_seconds";
 /// On-disk size of the inbox table with its indexes and TOAST (the stats task).
 pub const INBOX_TABLE_BYTES: &str = "inbox_table_bytes";
+/// Transactions holding uncommitted inbox writes: claims in flight (the stats task).
+pub const CLAIMS_IN_FLIGHT: &str = "inbox_claims_in_flight";
+/// How long the oldest claim in flight has been open (the stats task).
+pub const OLDEST_CLAIM_IN_FLIGHT_AGE: &str = "inbox_oldest_claim_in_flight_seconds";
 /// Rows deleted by the retention purge, by table.
 pub const INBOX_PURGED: &str = "inbox_purged_rows_total";
 /// Effects committed and not yet delivered or dead (the stats task).
@@ -247,6 +251,20 @@ pub const METRICS: &[MetricInfo] = &[
         &[],
         Unit::Bytes,
         "on-disk size of consumer_inbox with indexes and TOAST (stats task)",
+    ),
+    info(
+        CLAIMS_IN_FLIGHT,
+        Gauge,
+        &[],
+        Unit::Count,
+        "transactions holding uncommitted inbox writes: claims in flight, all consumers (stats task, from pg_stat_activity and pg_locks)",
+    ),
+    info(
+        OLDEST_CLAIM_IN_FLIGHT_AGE,
+        Gauge,
+        &[],
+        Unit::Seconds,
+        "how long the oldest claim in flight has been open, 0 when none is (stats task)",
     ),
     info(
         INBOX_PURGED,

@@ -1233,6 +1233,10 @@ async fn the_stats_task_sets_the_gauges_to_what_the_database_holds() {
         m::INBOX_TABLE_BYTES.to_owned() + "{}",
         stats.inbox_table_bytes as f64,
     );
+    // Nothing is in flight between requests.
+    assert_eq!(stats.claims_in_flight, 0);
+    expected.insert(m::CLAIMS_IN_FLIGHT.to_owned() + "{}", 0.0);
+    expected.insert(m::OLDEST_CLAIM_IN_FLIGHT_AGE.to_owned() + "{}", 0.0);
     expected.insert(m::OUTBOX_PENDING.to_owned() + "{}", pending);
     expected.insert(
         m::OUTBOX_OLDEST_PENDING_AGE.to_owned() + "{}",
@@ -1321,4 +1325,60 @@ async fn the_stats_task_sets_the_gauges_to_what_the_database_holds() {
     assert_eq!(gauges["quarantine_open{source=identity-conflict}"], 0.0);
     assert_eq!(count(&app.pool, &open("identity-conflict")).await, 0.0);
     assert_eq!(gauges["quarantine_open{source=handler-failure}"], 1.0);
+}
+
+/// A claim is invisible until its commit; the stats task sees it in flight all the same,
+/// through its transaction's lock, with the transaction's age, and no longer once it ends.
+#[tokio::test]
+async fn the_stats_task_sees_claims_in_flight_and_how_old_the_oldest_is() {
+    let _serial = serial().await;
+    let app = TestApp::new().await;
+    let inbox = tower_inbox::inbox::Inbox::new(app.pool.clone());
+    let identity = |key: &str| {
+        MessageIdentity::new(
+            "stats-flight",
+            Producer::new("app").unwrap(),
+            MessageKey::new(key).unwrap(),
+        )
+    };
+    let claim = |key: &'static str| {
+        let inbox = inbox.clone();
+        async move {
+            let fingerprint = tower_inbox::fingerprint::Fingerprint::of_bytes(key.as_bytes());
+            match inbox
+                .claim(identity(key), fingerprint, "v1", Duration::ZERO)
+                .await
+                .unwrap()
+            {
+                tower_inbox::inbox::Claim::Claimed(claimed) => claimed,
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    let mut task = StatsTask::new(app.pool.clone());
+    let older = claim("k1").await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let younger = claim("k2").await;
+    let (stats, gauges) = gauges_set_by(task.collect()).await;
+    let stats = stats.unwrap();
+    assert_eq!(stats.claims_in_flight, 2);
+    // The older claim's transaction is the age: at least the pause before the second.
+    let age = stats.oldest_claim_in_flight_age;
+    assert!(age >= Duration::from_millis(300), "{age:?}");
+    assert_eq!(gauges["inbox_claims_in_flight{}"], 2.0);
+    assert_eq!(
+        gauges["inbox_oldest_claim_in_flight_seconds{}"],
+        age.as_secs_f64()
+    );
+    // Invisible to the tables, as the stats say.
+    assert_eq!(inbox_rows_by_consumer(&app.pool).await.len(), 0);
+
+    older.rollback().await.unwrap();
+    let stats = task.collect().await.unwrap();
+    assert_eq!(stats.claims_in_flight, 1);
+    assert!(stats.oldest_claim_in_flight_age < age);
+    younger.rollback().await.unwrap();
+    let stats = task.collect().await.unwrap();
+    assert_eq!(stats.claims_in_flight, 0);
+    assert_eq!(stats.oldest_claim_in_flight_age, Duration::ZERO);
 }

@@ -95,6 +95,22 @@ select pg_catalog.count(*)::int8, \
        coalesce(extract(epoch from pg_catalog.now() - pg_catalog.min(created_at)), 0)::float8 \
 from tower_inbox.message_outbox where status = 'pending'";
 
+/// Transactions of this database that hold uncommitted writes to the inbox: claims in
+/// flight (and purge batches, which last milliseconds). A claim's row is invisible to
+/// everyone else until its commit, so its lock on the table is what shows it. Reads only
+/// PostgreSQL's in-memory activity and lock tables, not the inbox.
+const IN_FLIGHT: &str = "\
+select pg_catalog.count(*)::int8, \
+       coalesce(extract(epoch from pg_catalog.max( \
+           pg_catalog.clock_timestamp() - a.xact_start)), 0)::float8 \
+from pg_catalog.pg_stat_activity a \
+where a.pid <> pg_catalog.pg_backend_pid() \
+  and a.datname = pg_catalog.current_database() \
+  and exists (select from pg_catalog.pg_locks l \
+              where l.pid = a.pid and l.locktype = 'relation' and l.granted \
+                and l.database = a.datid and l.mode = 'RowExclusiveLock' \
+                and l.relation = pg_catalog.to_regclass('tower_inbox.consumer_inbox'))";
+
 const QUARANTINE: &str = "\
 select source, pg_catalog.count(*)::int8 from tower_inbox.inbox_quarantine \
 where decision is null group by source";
@@ -117,6 +133,10 @@ pub struct Stats {
     pub inbox: Vec<ConsumerStats>,
     /// The inbox table's size on disk with indexes and TOAST, in bytes.
     pub inbox_table_bytes: i64,
+    /// Transactions holding uncommitted inbox writes: claims in flight.
+    pub claims_in_flight: i64,
+    /// How long the oldest of them has been open (zero when none is).
+    pub oldest_claim_in_flight_age: Duration,
     /// Effects committed and not yet delivered or dead.
     pub outbox_pending: i64,
     /// The age of the oldest pending effect (zero when none is pending).
@@ -127,6 +147,8 @@ pub struct Stats {
 
 /// Reads sizes and ages from the database and sets the gauges [`INBOX_ROWS`](super::INBOX_ROWS),
 /// [`INBOX_OLDEST_AGE`](super::INBOX_OLDEST_AGE), [`INBOX_TABLE_BYTES`](super::INBOX_TABLE_BYTES),
+/// [`CLAIMS_IN_FLIGHT`](super::CLAIMS_IN_FLIGHT),
+/// [`OLDEST_CLAIM_IN_FLIGHT_AGE`](super::OLDEST_CLAIM_IN_FLIGHT_AGE),
 /// [`OUTBOX_PENDING`](super::OUTBOX_PENDING),
 /// [`OUTBOX_OLDEST_PENDING_AGE`](super::OUTBOX_OLDEST_PENDING_AGE) and
 /// [`QUARANTINE_OPEN`](super::QUARANTINE_OPEN).
@@ -144,6 +166,14 @@ pub struct Stats {
 /// * the **oldest row age** per consumer is exact for every consumer with a row among the
 ///   10 000 oldest rows (read from the `received_at` index); any other consumer's oldest row
 ///   is younger than the youngest of those, whose age it is given: an upper bound;
+/// * **claims in flight** and the oldest one's age are read from PostgreSQL's activity and
+///   lock views (`pg_stat_activity`, `pg_locks`), not from the inbox: a claim's row is not
+///   visible before its commit, its transaction's lock on the table is. They count the
+///   transactions of this database holding uncommitted inbox writes (a purge batch too,
+///   for its few milliseconds), for every consumer together, and their age is the
+///   transaction's. Another role's transactions show only to a member of
+///   `pg_read_all_stats` (or a superuser): give the stats task's role that membership, or
+///   run it as the role the service uses;
 /// * **outbox pending** and its oldest age, and **open quarantine items**, are exact: they
 ///   read only pending effects and undecided items, through their partial indexes, so they
 ///   cost as much as the backlog, not the table;
@@ -240,6 +270,11 @@ impl StatsTask {
             .fetch_one(&self.pool)
             .await
             .map_err(classify)?;
+        let (claims_in_flight, in_flight_age): (i64, f64) =
+            sqlx::query_as(&self.schema.sql(IN_FLIGHT))
+                .fetch_one(&self.pool)
+                .await
+                .map_err(classify)?;
         let (outbox_pending, outbox_age): (i64, f64) = sqlx::query_as(&self.schema.sql(OUTBOX))
             .fetch_one(&self.pool)
             .await
@@ -259,6 +294,8 @@ impl StatsTask {
                 })
                 .collect(),
             inbox_table_bytes,
+            claims_in_flight,
+            oldest_claim_in_flight_age: seconds(in_flight_age),
             outbox_pending,
             outbox_oldest_pending_age: seconds(outbox_age),
             quarantine_open: QuarantineSource::ALL
@@ -307,6 +344,12 @@ impl StatsTask {
             super::INBOX_TABLE_BYTES,
             &[],
             stats.inbox_table_bytes as f64,
+        );
+        set(super::CLAIMS_IN_FLIGHT, &[], stats.claims_in_flight as f64);
+        set(
+            super::OLDEST_CLAIM_IN_FLIGHT_AGE,
+            &[],
+            stats.oldest_claim_in_flight_age.as_secs_f64(),
         );
         set(super::OUTBOX_PENDING, &[], stats.outbox_pending as f64);
         set(
