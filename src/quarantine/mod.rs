@@ -109,7 +109,8 @@ pub enum Decision {
 }
 
 impl Decision {
-    fn as_str(self) -> &'static str {
+    /// The stored name: `repair` or `discard`.
+    pub fn as_str(self) -> &'static str {
         match self {
             Self::Repair => "repair",
             Self::Discard => "discard",

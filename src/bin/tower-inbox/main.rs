@@ -1,0 +1,96 @@
+//! `tower-inbox`: the operator's command line over the crate's tables (feature `cli`).
+//!
+//! ```sh
+//! cargo run --features cli --bin tower-inbox -- status
+//! cargo install --path . --features cli
+//! ```
+//!
+//! Exit codes: 0 done; 1 refused (an unknown ID, an item already decided); 2 usage (clap's
+//! own errors too); 3 the database cannot be reached or used. A failure is one line on
+//! standard error, never a Debug dump, and never shows the database password.
+#![forbid(unsafe_code)]
+
+mod database;
+mod migrate;
+mod quarantine;
+mod render;
+mod status;
+
+use std::process::ExitCode;
+
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
+
+use database::Failure;
+
+/// The operator's command line for tower-inbox: migrations, status and the quarantine.
+#[derive(Debug, Parser)]
+#[command(name = "tower-inbox", version)]
+struct Cli {
+    /// The PostgreSQL URL (postgres://user:password@host:port/database). Its password is
+    /// never printed.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true, global = true)]
+    database_url: Option<String>,
+    /// The schema holding the crate's tables.
+    #[arg(
+        long,
+        env = "TOWER_INBOX_SCHEMA",
+        default_value = "tower_inbox",
+        global = true
+    )]
+    schema: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Applies the crate's migrations, or lists the pending ones with --dry-run.
+    Migrate {
+        /// List what would be applied; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Per consumer, the outbox and the quarantine: what is there now.
+    Status {
+        /// JSON instead of tables (keys documented in the README).
+        #[arg(long)]
+        json: bool,
+        /// Again every SECONDS: redrawn in place on a terminal, a block per interval
+        /// otherwise. Ctrl-C stops.
+        #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..=86_400))]
+        watch: Option<u64>,
+    },
+    /// Quarantined items: list, show, repair, discard.
+    #[command(subcommand)]
+    Quarantine(quarantine::Command),
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let matches = Cli::command().get_matches();
+    let origin = match matches.value_source("database_url") {
+        Some(ValueSource::EnvVariable) => "DATABASE_URL",
+        _ => "--database-url",
+    };
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(err) => err.exit(),
+    };
+    match run(cli, origin).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(failure) => {
+            eprintln!("tower-inbox: {failure}");
+            ExitCode::from(failure.code())
+        }
+    }
+}
+
+async fn run(cli: Cli, origin: &'static str) -> Result<(), Failure> {
+    let db = database::connect(cli.database_url.as_deref(), origin, &cli.schema).await?;
+    match cli.command {
+        Command::Migrate { dry_run } => migrate::run(&db, dry_run).await,
+        Command::Status { json, watch } => status::run(&db, json, watch).await,
+        Command::Quarantine(command) => quarantine::run(&db, command).await,
+    }
+}

@@ -1,0 +1,301 @@
+//! The `tower-inbox` command line (feature `cli`), run as a process against a real database:
+//! each command on seeded data, its JSON compared with what the library reports for the
+//! same rows, refusals and their exit codes, and an unreachable database.
+
+mod common;
+
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+use common::{credit, send, TestApp};
+use serde_json::Value;
+use tower_inbox::metrics::StatsTask;
+use tower_inbox::quarantine::{Quarantine, QuarantineFilter, QuarantineSource};
+
+/// Runs the binary against `url` with `args`; `DATABASE_URL` carries the URL.
+fn cli(url: &str, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_tower-inbox"))
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env_remove("TOWER_INBOX_SCHEMA")
+        .output()
+        .expect("run tower-inbox")
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Succeeds, or the test fails with what it printed.
+fn ok(output: Output) -> String {
+    assert!(
+        output.status.success(),
+        "exit {:?}: {}",
+        output.status.code(),
+        stderr(&output)
+    );
+    stdout(&output)
+}
+
+fn json(output: Output) -> Value {
+    let text = ok(output);
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("not JSON ({e}): {text}"))
+}
+
+/// The credits service after three commands, a retry and a conflicting reuse of a key.
+async fn seeded() -> TestApp {
+    let app = TestApp::new().await;
+    let credits = app.credits();
+    for key in ["k1", "k2", "k3"] {
+        assert!(send(&credits, credit("a1", Some(key), Some("app"), 5))
+            .await
+            .status
+            .is_success());
+    }
+    assert!(send(&credits, credit("a1", Some("k1"), Some("app"), 5))
+        .await
+        .replayed());
+    let conflict = send(&credits, credit("a1", Some("k1"), Some("app"), 7)).await;
+    assert_eq!(conflict.problem_type(), "payload-mismatch");
+    app
+}
+
+#[tokio::test]
+async fn migrate_lists_then_applies_the_pending_migrations() {
+    let db = tower_inbox_testdb::TestDatabase::create()
+        .await
+        .expect("test database");
+    let url = db.url();
+    let fresh = ok(cli(url, &["migrate", "--dry-run", "--schema", "cli_fresh"]));
+    assert!(
+        fresh.starts_with("schema cli_fresh: would apply 3 migration(s)"),
+        "{fresh}"
+    );
+    let pool = db.pool(1).await;
+    let tables = || async {
+        sqlx::query_scalar::<_, i64>(
+            "select count(*) from pg_tables where schemaname = 'cli_fresh'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(tables().await, 0, "a dry run changes nothing");
+    let applied = ok(cli(url, &["migrate", "--schema", "cli_fresh"]));
+    assert!(applied.contains("applying 3 migration(s)"), "{applied}");
+    assert!(tables().await >= 4, "the crate's tables exist");
+    let again = ok(cli(url, &["migrate", "--dry-run", "--schema", "cli_fresh"]));
+    assert_eq!(again.trim(), "schema cli_fresh: up to date (3 migrations)");
+}
+
+#[tokio::test]
+async fn status_reports_what_the_library_and_the_tables_hold() {
+    let app = seeded().await;
+    let url = app.db.url();
+    let status = json(cli(url, &["status", "--json"]));
+    let stats = StatsTask::new(app.pool.clone()).collect().await.unwrap();
+
+    let consumers = status["consumers"].as_array().expect("consumers");
+    assert_eq!(consumers.len(), stats.inbox.len());
+    let credits = consumers
+        .iter()
+        .find(|c| c["consumer"] == "credits")
+        .expect("the credits consumer");
+    assert_eq!(credits["rows"], 3);
+    assert_eq!(credits["rows"], app.inbox_rows().await);
+    assert_eq!(credits["completed_last_hour"], 3);
+    assert_eq!(credits["conflicts_last_hour"], 1);
+    assert!(credits["oldest_row_seconds"].as_f64().unwrap() >= 0.0);
+    // Per consumer a claim in flight cannot be seen: the keys are there, null.
+    assert!(credits["in_progress"].is_null());
+    assert!(credits["oldest_in_progress_seconds"].is_null());
+    assert_eq!(status["in_flight"]["claims"], 0);
+
+    let count = |sql: &'static str| {
+        let pool = app.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let pending =
+        count("select count(*) from tower_inbox.message_outbox where status = 'pending'").await;
+    assert_eq!(status["outbox"]["pending"], pending);
+    assert_eq!(status["outbox"]["pending"], stats.outbox_pending);
+    assert_eq!(status["outbox"]["dead"], 0);
+    let open =
+        count("select count(*) from tower_inbox.inbox_quarantine where decision is null").await;
+    assert_eq!(open, 1);
+    assert_eq!(status["quarantine"]["open"], open);
+    assert_eq!(
+        status["quarantine"]["open_by_reason"]["identity-conflict/payload-mismatch"],
+        1
+    );
+
+    let human = ok(cli(url, &["status"]));
+    for expected in [
+        "credits",
+        "Claims in flight",
+        "Outbox:",
+        "Quarantine: 1 open",
+    ] {
+        assert!(
+            human.contains(expected),
+            "{expected:?} missing from:\n{human}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn quarantine_commands_list_show_and_decide_once() {
+    let app = seeded().await;
+    let url = app.db.url();
+    let quarantine = Quarantine::new(app.pool.clone());
+    let open = quarantine.list(QuarantineFilter::Open, 100).await.unwrap();
+    assert_eq!(open.len(), 1);
+    let item = &open[0];
+    assert_eq!(item.source, QuarantineSource::IdentityConflict);
+
+    let listed = json(cli(url, &["quarantine", "list", "--json"]));
+    let listed = listed.as_array().expect("a list");
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0]["id"], item.id);
+    assert_eq!(listed[0]["source"], "identity-conflict");
+    assert_eq!(listed[0]["reason_code"], item.reason_code);
+    assert_eq!(listed[0]["consumer"], "credits");
+    assert_eq!(listed[0]["message_id"], "k1");
+    assert!(listed[0]["decision"].is_null());
+    let filtered = json(cli(
+        url,
+        &["quarantine", "list", "--json", "--consumer", "other"],
+    ));
+    assert_eq!(filtered.as_array().map(Vec::len), Some(0));
+    let table = ok(cli(url, &["quarantine", "list"]));
+    assert!(
+        table.contains("identity-conflict") && table.contains("open"),
+        "{table}"
+    );
+
+    let id = item.id.to_string();
+    let shown = json(cli(url, &["quarantine", "show", &id, "--json"]));
+    assert_eq!(shown, listed[0]);
+    let text = ok(cli(url, &["quarantine", "show", &id]));
+    assert!(
+        text.contains("payload sha256") && text.contains("decision         open"),
+        "{text}"
+    );
+
+    let repaired = ok(cli(
+        url,
+        &[
+            "quarantine",
+            "repair",
+            &id,
+            "--by",
+            "alice",
+            "--why",
+            "client fixed its keys",
+        ],
+    ));
+    assert_eq!(
+        repaired.trim(),
+        format!("quarantine item {id} repaired by alice")
+    );
+    let decided = quarantine.get(item.id).await.unwrap().unwrap();
+    assert_eq!(decided.decided_by.as_deref(), Some("alice"));
+    assert_eq!(
+        decided.decision_reason.as_deref(),
+        Some("client fixed its keys")
+    );
+
+    // Deciding again is refused, naming who decided, when and why.
+    let again = cli(
+        url,
+        &["quarantine", "discard", &id, "--by", "bob", "--why", "late"],
+    );
+    assert_eq!(again.status.code(), Some(1));
+    let line = stderr(&again);
+    assert_eq!(line.lines().count(), 1, "{line}");
+    assert!(line.contains("already decided: repair by alice"), "{line}");
+    assert!(line.contains("(client fixed its keys)"), "{line}");
+    let decided_again = quarantine.get(item.id).await.unwrap().unwrap();
+    assert_eq!(
+        decided_again.decided_by.as_deref(),
+        Some("alice"),
+        "unchanged"
+    );
+    let listed = json(cli(url, &["quarantine", "list", "--decided", "--json"]));
+    assert_eq!(listed[0]["decision"], "repair");
+
+    let unknown = cli(url, &["quarantine", "show", "999999"]);
+    assert_eq!(unknown.status.code(), Some(1));
+    assert_eq!(
+        stderr(&unknown).trim(),
+        "tower-inbox: no quarantine item 999999"
+    );
+}
+
+#[tokio::test]
+async fn bad_input_is_exit_2_and_an_unreachable_database_exit_3_without_the_password() {
+    let app = TestApp::new().await;
+    let url = app.db.url();
+    for args in [
+        &["quarantine", "show", "banana"][..],
+        &["status", "--watch", "0"],
+        &["quarantine", "list", "--open", "--all"],
+        &["frobnicate"],
+    ] {
+        let output = cli(url, args);
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            stderr(&output)
+        );
+    }
+    let schema = cli(url, &["status", "--schema", "Bad-Name"]);
+    assert_eq!(schema.status.code(), Some(2), "{}", stderr(&schema));
+
+    let started = Instant::now();
+    let unreachable = cli("postgres://u:s3cret-pw@127.0.0.1:1/x", &["status"]);
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(unreachable.status.code(), Some(3));
+    let line = stderr(&unreachable);
+    assert_eq!(line.lines().count(), 1, "{line}");
+    assert!(
+        line.starts_with(
+            "tower-inbox: cannot connect to PostgreSQL at 127.0.0.1:1 (URL from DATABASE_URL)"
+        ),
+        "{line}"
+    );
+    assert!(!line.contains("s3cret-pw"), "{line}");
+
+    let flagged = Command::new(env!("CARGO_BIN_EXE_tower-inbox"))
+        .args([
+            "status",
+            "--database-url",
+            "postgres://u:s3cret-pw@127.0.0.1:1/x",
+        ])
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert_eq!(flagged.status.code(), Some(3));
+    assert!(stderr(&flagged).contains("(URL from --database-url)"));
+    let missing = Command::new(env!("CARGO_BIN_EXE_tower-inbox"))
+        .args(["status"])
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(stderr(&missing).contains("pass --database-url or set DATABASE_URL"));
+}
