@@ -7,10 +7,14 @@ mod common;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use common::{credit, send, TestApp};
+use common::{credit, receiver, send, TestApp};
 use serde_json::Value;
+use sqlx::PgPool;
+use tower_inbox::inbox::Inbox;
 use tower_inbox::metrics::StatsTask;
+use tower_inbox::outbox::{enqueue, Dispatcher, HttpTransport, OutboxMessage};
 use tower_inbox::quarantine::{Quarantine, QuarantineFilter, QuarantineSource};
+use tower_inbox::{MessageIdentity, MessageKey, Producer};
 
 /// Runs the binary against `url` with `args`; `DATABASE_URL` carries the URL.
 fn cli(url: &str, args: &[&str]) -> Output {
@@ -298,4 +302,184 @@ async fn bad_input_is_exit_2_and_an_unreachable_database_exit_3_without_the_pass
         .unwrap();
     assert_eq!(missing.status.code(), Some(2));
     assert!(stderr(&missing).contains("pass --database-url or set DATABASE_URL"));
+}
+
+#[tokio::test]
+async fn inspect_shows_a_keys_state_response_quarantine_and_effects() {
+    let app = seeded().await;
+    let url = app.db.url();
+    let args = [
+        "inspect",
+        "--consumer",
+        "credits",
+        "--producer",
+        "app",
+        "k1",
+    ];
+    let report = json(cli(url, &[&args[..], &["--json"]].concat()));
+    let identity = MessageIdentity::new(
+        "credits",
+        Producer::new("app").unwrap(),
+        MessageKey::new("k1").unwrap(),
+    );
+    let entry = Inbox::new(app.pool.clone())
+        .lookup(&identity)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(report["state"], "completed");
+    assert_eq!(report["payload_sha256"], entry.payload_sha256);
+    assert_eq!(report["handler_version"], entry.handler_version);
+    let response = entry.response.unwrap();
+    assert_eq!(report["response_status"], response.status);
+    assert_eq!(report["response_body_bytes"], response.body.len());
+    assert_eq!(
+        report["response_body"],
+        String::from_utf8_lossy(&response.body).as_ref()
+    );
+    assert_eq!(report["failed_attempts"], 0);
+    let items = report["quarantine"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "the conflict on k1");
+    assert_eq!(items[0]["reason_code"], "payload-mismatch");
+    assert!(report["received_at"].is_string() && report["processed_at"].is_string());
+    let text = ok(cli(url, &args));
+    assert!(
+        text.contains("state            completed") && text.contains("status           201"),
+        "{text}"
+    );
+
+    let unknown = cli(
+        url,
+        &[
+            "inspect",
+            "--consumer",
+            "credits",
+            "--producer",
+            "app",
+            "nope",
+        ],
+    );
+    assert_eq!(unknown.status.code(), Some(1));
+    assert!(
+        stderr(&unknown).contains("no key \"nope\""),
+        "{}",
+        stderr(&unknown)
+    );
+    let bad = cli(
+        url,
+        &["inspect", "--consumer", "credits", "--producer", "", "k1"],
+    );
+    assert_eq!(bad.status.code(), Some(2), "{}", stderr(&bad));
+}
+
+async fn dispatch(pool: &PgPool) -> tower_inbox::outbox::DispatchReport {
+    Dispatcher::builder(
+        pool.clone(),
+        HttpTransport::new(Duration::from_secs(5)).unwrap(),
+    )
+    .delivery_timeout(Duration::from_secs(5))
+    .max_attempts(3)
+    .build()
+    .unwrap()
+    .dispatch_due()
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_dead_effect_retried_through_the_cli_is_delivered_and_its_item_recovered() {
+    let app = TestApp::new().await;
+    let url = app.db.url();
+    // The receiver refuses the first delivery for good (410), then takes it.
+    let hook = receiver([410]).await;
+    let identity = MessageIdentity::new(
+        "cli-outbox",
+        Producer::new("app").unwrap(),
+        MessageKey::new("m1").unwrap(),
+    );
+    let mut tx = app.pool.begin().await.unwrap();
+    let effect = enqueue(
+        &mut *tx,
+        &identity,
+        "webhook",
+        &OutboxMessage::new(hook, "{}"),
+    )
+    .await
+    .unwrap()
+    .effect_id;
+    tx.commit().await.unwrap();
+    let id = effect.as_str().to_owned();
+
+    let pending = json(cli(url, &["outbox", "list", "--json"]));
+    assert_eq!(pending[0]["effect_id"], id.as_str());
+    assert_eq!(pending[0]["status"], "pending");
+    assert_eq!(pending[0]["message_id"], "m1");
+    assert_eq!(dispatch(&app.pool).await.dead, 1);
+    assert_eq!(
+        json(cli(url, &["outbox", "list", "--json"]))
+            .as_array()
+            .map(Vec::len),
+        Some(0)
+    );
+    let dead = json(cli(url, &["outbox", "list", "--dead", "--json"]));
+    assert_eq!(dead[0]["effect_id"], id.as_str());
+    let shown = json(cli(url, &["outbox", "show", &id, "--json"]));
+    assert_eq!(shown, dead[0]);
+    assert_eq!(shown["status"], "dead");
+    assert_eq!(shown["remote_status"], 410);
+    let text = ok(cli(url, &["outbox", "show", &id]));
+    assert!(text.contains("status         dead"), "{text}");
+    let table = ok(cli(
+        url,
+        &["outbox", "list", "--all", "--effect", "webhook"],
+    ));
+    assert!(table.contains(&id), "{table}");
+
+    let retried = ok(cli(
+        url,
+        &[
+            "outbox",
+            "retry",
+            &id,
+            "--by",
+            "carol",
+            "--why",
+            "receiver fixed",
+        ],
+    ));
+    assert!(
+        retried.contains(&format!("outbox effect {id} goes back to the dispatcher")),
+        "{retried}"
+    );
+    let quarantine = Quarantine::new(app.pool.clone());
+    let item = quarantine
+        .list(QuarantineFilter::All, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|i| i.effect_id.as_deref() == Some(id.as_str()))
+        .expect("the dead effect's item");
+    assert_eq!(item.decided_by.as_deref(), Some("carol"));
+    assert_eq!(item.decision_reason.as_deref(), Some("receiver fixed"));
+
+    // The dispatcher delivers it now, and the item is marked recovered.
+    assert_eq!(dispatch(&app.pool).await.delivered, 1);
+    let recovered = quarantine.get(item.id).await.unwrap().unwrap();
+    assert!(recovered.recovered_at.is_some(), "{recovered:?}");
+    let delivered = json(cli(url, &["outbox", "show", &id, "--json"]));
+    assert_eq!(delivered["status"], "delivered");
+
+    // Retrying what is not dead, or what does not exist, is refused.
+    let again = cli(
+        url,
+        &["outbox", "retry", &id, "--by", "carol", "--why", "again"],
+    );
+    assert_eq!(again.status.code(), Some(1));
+    assert!(
+        stderr(&again).contains("is delivered, not dead"),
+        "{}",
+        stderr(&again)
+    );
+    let unknown = cli(url, &["outbox", "show", "no-such-effect"]);
+    assert_eq!(unknown.status.code(), Some(1));
 }

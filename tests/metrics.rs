@@ -15,7 +15,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
@@ -25,7 +25,7 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use axum::routing::{post, MethodRouter};
 use axum::Router;
-use common::{credit, credit_raw, send, unreachable_pool, TestApp};
+use common::{credit, credit_raw, receiver, send, unreachable_pool, TestApp};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use metrics_util::MetricKind as RecordedKind;
 use sqlx::PgPool;
@@ -930,22 +930,6 @@ async fn without_identity_labels_the_series_carry_no_consumer() {
 
 // ---------------------------------------------------------------------------------------------
 // The outbox paths.
-
-/// A webhook receiver on loopback that answers the scripted statuses in turn, then 200.
-async fn receiver(statuses: impl IntoIterator<Item = u16>) -> String {
-    let script = Arc::new(Mutex::new(statuses.into_iter().collect::<VecDeque<_>>()));
-    let router = Router::new().route(
-        "/hook",
-        post(move || {
-            let status = script.lock().unwrap().pop_front().unwrap_or(200);
-            async move { StatusCode::from_u16(status).unwrap() }
-        }),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    format!("http://{addr}/hook")
-}
 
 /// Commits one effect named `effect` to `url`.
 async fn enqueue_effect(pool: &PgPool, effect: &str, url: &str) -> EffectId {

@@ -223,6 +223,20 @@ pub(crate) const EXPIRED: &str = "\
 select $1 < pg_catalog.now() - pg_catalog.make_interval(secs => $2) as expired, \
        pg_catalog.now() - pg_catalog.make_interval(secs => $2) as oldest_accepted";
 
+/// When the key's row was claimed and recorded (`$1` to `$4`, bound by `bind_identity!`).
+pub(crate) const TIMES: &str = concat!(
+    "select i.received_at, i.processed_at from tower_inbox.consumer_inbox i where ",
+    crate::sql::key_is!("i")
+);
+
+/// The key's record of attempts that rolled back, if any.
+pub(crate) const FAILURE_RECORD: &str = concat!(
+    "select f.attempts, f.first_failed_at, f.last_failed_at, f.last_reason, \
+            f.payload_sha256, f.handler_version \
+     from tower_inbox.consumer_inbox_failure f where ",
+    crate::sql::key_is!("f")
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

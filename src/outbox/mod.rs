@@ -73,6 +73,7 @@ mod amqp;
 mod dispatcher;
 #[cfg(feature = "outbox-http")]
 mod http;
+mod listing;
 #[cfg(feature = "nats")]
 mod nats;
 mod sql;
@@ -82,8 +83,7 @@ use std::fmt;
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
-use sqlx::{Executor, PgPool, Postgres, Row};
-use time::OffsetDateTime;
+use sqlx::{Executor, PgPool, Postgres};
 
 use crate::identity::MessageIdentity;
 use crate::schema::Schema;
@@ -93,6 +93,7 @@ pub use amqp::AmqpTransport;
 pub use dispatcher::{DispatchReport, Dispatcher, DispatcherBuilder, DispatcherConfigError};
 #[cfg(feature = "outbox-http")]
 pub use http::HttpTransport;
+pub use listing::{EffectStatus, OutboxEntry, OutboxFilter};
 #[cfg(feature = "nats")]
 pub use nats::NatsTransport;
 pub use transport::{Delivery, Transport};
@@ -299,40 +300,6 @@ pub struct Effect {
     pub attempt: i32,
 }
 
-/// Where an effect stands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EffectStatus {
-    /// Not delivered yet (possibly leased by a dispatcher right now).
-    Pending,
-    /// Delivered; the receiver's result is recorded.
-    Delivered,
-    /// Out of attempts or permanently refused: moved to the quarantine.
-    Dead,
-}
-
-/// An outbox row, for operators and tests.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OutboxEntry {
-    /// The effect's ID.
-    pub effect_id: EffectId,
-    /// Its name.
-    pub effect_name: String,
-    /// Where it stands.
-    pub status: EffectStatus,
-    /// Delivery attempts started so far.
-    pub attempts: i32,
-    /// The last failure, if any.
-    pub last_error: Option<String>,
-    /// The receiver's last status code, if it answered.
-    pub remote_status: Option<i32>,
-    /// The receiver's answer to the delivery that succeeded.
-    pub remote_result: Option<String>,
-    /// When it was enqueued.
-    pub created_at: OffsetDateTime,
-    /// When it was delivered.
-    pub delivered_at: Option<OffsetDateTime>,
-}
-
 /// The outbox in one schema: writes effects, reads them back.
 #[derive(Debug, Clone)]
 pub struct Outbox {
@@ -375,33 +342,5 @@ impl Outbox {
         message: &OutboxMessage,
     ) -> Result<Enqueued, OutboxError> {
         Ok(insert(&self.schema, conn, &effect_id, effect_name, None, message).await?)
-    }
-
-    /// One effect's row.
-    pub async fn entry(&self, effect_id: &EffectId) -> Result<Option<OutboxEntry>, OutboxError> {
-        let sql = self.schema.sql(sql::ENTRY);
-        let row = sqlx::query(&sql)
-            .bind(effect_id.as_str())
-            .fetch_optional(&self.pool)
-            .await
-            .map_err(OutboxError::from)?;
-        let Some(row) = row else { return Ok(None) };
-        let get = OutboxError::Database;
-        let status: String = row.try_get("status").map_err(get)?;
-        Ok(Some(OutboxEntry {
-            effect_id: EffectId(row.try_get("effect_id").map_err(get)?),
-            effect_name: row.try_get("effect_name").map_err(get)?,
-            status: match status.as_str() {
-                "delivered" => EffectStatus::Delivered,
-                "dead" => EffectStatus::Dead,
-                _ => EffectStatus::Pending,
-            },
-            attempts: row.try_get("attempts").map_err(get)?,
-            last_error: row.try_get("last_error").map_err(get)?,
-            remote_status: row.try_get("remote_status").map_err(get)?,
-            remote_result: row.try_get("remote_result").map_err(get)?,
-            created_at: row.try_get("created_at").map_err(get)?,
-            delivered_at: row.try_get("delivered_at").map_err(get)?,
-        }))
     }
 }

@@ -96,12 +96,55 @@ update tower_inbox.message_outbox \
 set next_attempt_at = pg_catalog.now(), lease_owner = null, lease_until = null \
 where effect_id = $1 and lease_owner = $2 and status = 'pending'";
 
+/// The columns of an [`OutboxEntry`](super::OutboxEntry): everything but the payload and
+/// headers, which an operator's listing has no use for and which may be large.
+macro_rules! entry {
+    () => {
+        "select o.effect_id, o.effect_name, o.status, o.attempts, o.last_error, \
+                o.remote_status, o.remote_result, o.created_at, o.delivered_at, o.destination, \
+                o.consumer_name, o.producer_name, o.tenant_id, o.message_id, \
+                o.next_attempt_at, o.lease_owner, o.lease_until \
+         from tower_inbox.message_outbox o "
+    };
+}
+
 /// Seconds until the next pending row is due (negative when overdue), or null.
 pub(crate) const NEXT_DUE: &str = "\
 select extract(epoch from (pg_catalog.min(next_attempt_at) - pg_catalog.now()))::float8 \
 from tower_inbox.message_outbox where status = 'pending'";
 
-pub(crate) const ENTRY: &str = "\
-select effect_id, effect_name, status, attempts, last_error, remote_status, remote_result, \
-       created_at, delivered_at \
-from tower_inbox.message_outbox where effect_id = $1";
+/// One effect's row.
+pub(crate) const ENTRY: &str = concat!(entry!(), "where o.effect_id = $1");
+
+/// Pending effects (`$1` an effect name or null for all), next due first, at most `$2`:
+/// through the partial index of pending rows.
+pub(crate) const LIST_PENDING: &str = concat!(
+    entry!(),
+    "where o.status = 'pending' and ($1::text is null or o.effect_name = $1) \
+     order by o.next_attempt_at, o.effect_id limit $2"
+);
+
+/// Dead effects, oldest first, at most `$2`. Dead rows have no index of their own: this
+/// reads the table (dead effects are rare; the purge keeps the table to its window).
+pub(crate) const LIST_DEAD: &str = concat!(
+    entry!(),
+    "where o.status = 'dead' and ($1::text is null or o.effect_name = $1) \
+     order by o.created_at, o.effect_id limit $2"
+);
+
+/// Every effect, newest first, at most `$2`.
+pub(crate) const LIST_ALL: &str = concat!(
+    entry!(),
+    "where ($1::text is null or o.effect_name = $1) \
+     order by o.created_at desc, o.effect_id limit $2"
+);
+
+/// The effects written by one message (`$1` to `$4`, bound by `bind_identity!`). No index
+/// leads with the identity: this reads the table, which is fine for an operator's look at
+/// one key and not for a hot path.
+pub(crate) const FOR_MESSAGE: &str = concat!(
+    entry!(),
+    "where ",
+    crate::sql::key_is!("o"),
+    " order by o.created_at, o.effect_id"
+);

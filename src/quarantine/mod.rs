@@ -252,6 +252,21 @@ impl Quarantine {
         rows.iter().map(item_from_row).collect()
     }
 
+    /// The open item about the dead effect `effect_id`, if it has one: what
+    /// [`repair`](Self::repair) sends back to the outbox.
+    pub async fn open_for_effect(
+        &self,
+        effect_id: &str,
+    ) -> Result<Option<QuarantineItem>, QuarantineError> {
+        let sql = self.schema.sql(sql::OPEN_FOR_EFFECT);
+        let row = sqlx::query(&sql)
+            .bind(effect_id)
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(QuarantineError::from)?;
+        row.as_ref().map(item_from_row).transpose()
+    }
+
     /// Decides to repair: a dead effect goes back to pending with a fresh attempt budget
     /// and is delivered by the next dispatcher; its delivery then marks the item recovered.
     pub async fn repair(&self, id: i64, who: &str, why: &str) -> Result<(), DecisionError> {

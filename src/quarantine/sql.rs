@@ -34,6 +34,12 @@ pub(super) const GET: &str = concat!(item!(), "where id = $1");
 /// The items about one message, bound as `bind_identity!` binds it.
 pub(super) const FOR_IDENTITY: &str = concat!(item!(), "where ", key_is!("q"), " order by id");
 
+/// The open item about the dead effect `$1`, if any (`inbox_quarantine_effect` index).
+pub(super) const OPEN_FOR_EFFECT: &str = concat!(
+    item!(),
+    "where effect_id = $1 and decision is null order by id limit 1"
+);
+
 /// Decides item `$1` (`$2` the decision, `$3` who, `$4` why) unless it is decided already.
 pub(super) const DECIDE: &str = concat!(
     "update tower_inbox.inbox_quarantine \

@@ -390,3 +390,24 @@ pub fn gated_router(
         .layer(layer);
     (router, gate, calls)
 }
+
+/// A webhook receiver on loopback (`POST /hook`) that answers the scripted statuses in turn,
+/// then 200; returns its URL.
+pub async fn receiver(statuses: impl IntoIterator<Item = u16>) -> String {
+    let script = Arc::new(std::sync::Mutex::new(
+        statuses
+            .into_iter()
+            .collect::<std::collections::VecDeque<_>>(),
+    ));
+    let router = Router::new().route(
+        "/hook",
+        post(move || {
+            let status = script.lock().unwrap().pop_front().unwrap_or(200);
+            async move { StatusCode::from_u16(status).unwrap() }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    format!("http://{addr}/hook")
+}

@@ -11,7 +11,9 @@
 #![forbid(unsafe_code)]
 
 mod database;
+mod inspect;
 mod migrate;
+mod outbox;
 mod quarantine;
 mod render;
 mod status;
@@ -23,7 +25,8 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use database::Failure;
 
-/// The operator's command line for tower-inbox: migrations, status and the quarantine.
+/// The operator's command line for tower-inbox: migrations, status, keys, the quarantine
+/// and the outbox.
 #[derive(Debug, Parser)]
 #[command(name = "tower-inbox", version)]
 struct Cli {
@@ -61,9 +64,14 @@ enum Command {
         #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..=86_400))]
         watch: Option<u64>,
     },
+    /// One key: its state, recorded response, failed attempts, quarantine item and effects.
+    Inspect(inspect::Inspect),
     /// Quarantined items: list, show, repair, discard.
     #[command(subcommand)]
     Quarantine(quarantine::Command),
+    /// Outbox effects: list, show, retry a dead one.
+    #[command(subcommand)]
+    Outbox(outbox::Command),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -91,6 +99,8 @@ async fn run(cli: Cli, origin: &'static str) -> Result<(), Failure> {
     match cli.command {
         Command::Migrate { dry_run } => migrate::run(&db, dry_run).await,
         Command::Status { json, watch } => status::run(&db, json, watch).await,
+        Command::Inspect(args) => inspect::run(&db, args).await,
         Command::Quarantine(command) => quarantine::run(&db, command).await,
+        Command::Outbox(command) => outbox::run(&db, command).await,
     }
 }

@@ -67,6 +67,12 @@ pub struct Decide {
     why: String,
 }
 
+impl Decide {
+    pub fn new(id: i64, by: String, why: String) -> Self {
+        Self { id, by, why }
+    }
+}
+
 /// An item as `--json` prints it: the keys are these names (see the README).
 #[derive(Debug, Serialize)]
 pub struct ItemJson {
@@ -171,12 +177,20 @@ pub async fn run(db: &Database, command: Command) -> Result<(), Failure> {
             }
             Ok(())
         }
-        Command::Repair(decide) => decided(db, &quarantine, decide, true).await,
-        Command::Discard(decide) => decided(db, &quarantine, decide, false).await,
+        Command::Repair(d) => {
+            decide(db, &quarantine, d, true).await?;
+            Ok(())
+        }
+        Command::Discard(d) => {
+            decide(db, &quarantine, d, false).await?;
+            Ok(())
+        }
     }
 }
 
-async fn decided(
+/// Repairs or discards item `id`, printing the decision; an item decided before is refused
+/// with who decided it, when and why.
+pub async fn decide(
     db: &Database,
     quarantine: &Quarantine,
     Decide { id, by, why }: Decide,
@@ -304,9 +318,5 @@ fn show(item: &QuarantineItem) -> String {
     if let Some(at) = item.recovered_at {
         lines.push(("recovered", when(at)));
     }
-    let width = lines.iter().map(|(name, _)| name.len()).max().unwrap_or(0);
-    lines
-        .into_iter()
-        .map(|(name, value)| format!("{name:<width$}  {value}\n"))
-        .collect()
+    render::fields(&lines)
 }

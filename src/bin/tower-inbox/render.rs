@@ -52,6 +52,15 @@ pub fn rfc3339(at: OffsetDateTime) -> String {
     at.format(&Rfc3339).unwrap_or_else(|_| at.to_string())
 }
 
+/// Named values, one per line, the values aligned.
+pub fn fields(lines: &[(&str, String)]) -> String {
+    let width = lines.iter().map(|(name, _)| name.len()).max().unwrap_or(0);
+    lines
+        .iter()
+        .map(|(name, value)| format!("{name:<width$}  {value}\n"))
+        .collect()
+}
+
 /// Rows under headers, columns aligned, plain ASCII (no colour: nothing to turn off).
 pub fn table(headers: &[&str], rows: Vec<Vec<String>>) -> String {
     let mut table = Table::new();
