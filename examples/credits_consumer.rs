@@ -118,6 +118,17 @@ impl EventDispatcher {
     }
 }
 
+/// A URL as it may be printed: without the user and password it may carry.
+fn shown(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => match rest.split_once('@') {
+            Some((_, host)) => format!("{scheme}://***@{host}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
 /// `CREDITS_NAMESPACE`: lowercase letters, digits and `_`, as subject tokens and stream names
 /// allow.
 fn namespace() -> Result<String, Error> {
@@ -182,7 +193,7 @@ async fn consume_nats(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Erro
     let stream_name = ns.to_uppercase();
     let client = async_nats::connect(&url)
         .await
-        .map_err(|e| format!("cannot connect to NATS at {url} (NATS_URL): {e}"))?;
+        .map_err(|e| format!("cannot connect to NATS at {} (NATS_URL): {e}", shown(&url)))?;
     let js = jetstream::new(client);
     let commands = js
         .get_or_create_stream(stream::Config {
@@ -220,7 +231,7 @@ async fn consume_nats(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Erro
         .messages()
         .await
         .map_err(|e| format!("consumer {CONSUMER}: {e}"))?;
-    tracing::info!(%url, "consuming {ns}.commands.> as {CONSUMER}");
+    tracing::info!(url = %shown(&url), "consuming {ns}.commands.> as {CONSUMER}");
     let commands_prefix = format!("{ns}.commands.");
     let shutdown = shutdown_signal();
     tokio::pin!(shutdown);
@@ -386,9 +397,12 @@ mod publish {
             producer,
         } = sent;
         let url = std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
-        let client = async_nats::connect(&url)
-            .await
-            .map_err(|e| format!("cannot connect to NATS at {url} (NATS_URL): {e}"))?;
+        let client = async_nats::connect(&url).await.map_err(|e| {
+            format!(
+                "cannot connect to NATS at {} (NATS_URL): {e}",
+                super::shown(&url)
+            )
+        })?;
         let subject = format!("{ns}.commands.{account}");
         let mut headers = HeaderMap::new();
         headers.insert("Nats-Msg-Id", *id);
@@ -427,20 +441,37 @@ mod amqp_mode {
         BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
         QueueDeclareOptions,
     };
-    use lapin::types::FieldTable;
+    use lapin::types::{FieldTable, ShortString};
+    use lapin::uri::AMQPUri;
     use lapin::{BasicProperties, Confirmation, Connection, ConnectionProperties, ExchangeKind};
     use tower_inbox::consumer::amqp::{AmqpConsumer, Handled};
     use tower_inbox::consumer::Consumer;
     use tower_inbox::outbox::AmqpTransport;
 
     use super::publish::Sent;
+
+    /// The first wait before reconnecting, doubled after each failure up to the last.
+    const MIN_BACKOFF: Duration = Duration::from_millis(100);
+    const MAX_BACKOFF: Duration = Duration::from_secs(5);
+    /// A connect that hangs (a half-open network) is given up and tried again.
+    const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
     use super::{
         apply, log_processed, namespace, shutdown_signal, Error, EventDispatcher, CONSUMER,
     };
 
-    pub(super) async fn consume(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Error> {
+    /// `AMQP_URL`, parsed once: the parser's errors quote the URL, password and all, so
+    /// they are not passed on.
+    fn amqp_url() -> Result<(String, AMQPUri), Error> {
         let url = std::env::var("AMQP_URL")
             .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+        let uri = url.parse::<AMQPUri>().map_err(|_| {
+            "AMQP_URL is not an AMQP URL (amqp://user:password@host:port/vhost)".to_owned()
+        })?;
+        Ok((url, uri))
+    }
+
+    pub(super) async fn consume(pool: sqlx::PgPool, consumer: Consumer) -> Result<(), Error> {
+        let (url, uri) = amqp_url()?;
         let ns = namespace()?;
         let names = Names {
             queue: format!("{ns}.commands"),
@@ -448,7 +479,7 @@ mod amqp_mode {
         };
         let amqp = AmqpConsumer::new(consumer);
         // The first connection failing is a startup error; a later loss is reconnected.
-        let (mut _connection, mut deliveries) = open(&url, &names, &amqp).await?;
+        let (mut _connection, mut deliveries) = open(&uri, &names, &amqp).await?;
 
         // The transport keeps a connection of its own and reopens it when lost.
         let transport = AmqpTransport::connect(url.as_str(), ConnectionProperties::default())
@@ -457,6 +488,7 @@ mod amqp_mode {
         tracing::info!("consuming queue {} as {CONSUMER}", names.queue);
         let shutdown = shutdown_signal();
         tokio::pin!(shutdown);
+        let mut backoff = MIN_BACKOFF;
         'consuming: loop {
             let delivery = tokio::select! {
                 delivery = deliveries.next() => delivery,
@@ -472,26 +504,35 @@ mod amqp_mode {
                         _ => "the broker ended the consumer".to_owned(),
                     };
                     tracing::warn!(error = %why, "lost the RabbitMQ connection; reconnecting");
-                    let mut backoff = Duration::from_millis(100);
                     loop {
+                        // The backoff goes back to its start only once a delivery got
+                        // through: a consumer lost again at once does not spin.
                         tokio::select! {
                             () = tokio::time::sleep(backoff) => {}
                             () = &mut shutdown => break 'consuming,
                         }
-                        match open(&url, &names, &amqp).await {
-                            Ok(reopened) => {
+                        backoff = (backoff * 2).min(MAX_BACKOFF);
+                        let reopened = tokio::select! {
+                            reopened = tokio::time::timeout(CONNECT_TIMEOUT, open(&uri, &names, &amqp)) => reopened,
+                            () = &mut shutdown => break 'consuming,
+                        };
+                        match reopened {
+                            Ok(Ok(reopened)) => {
                                 (_connection, deliveries) = reopened;
                                 tracing::info!("reconnected to RabbitMQ");
                                 continue 'consuming;
                             }
-                            Err(err) => {
+                            Ok(Err(err)) => {
                                 tracing::warn!(error = %err, "reconnecting to RabbitMQ failed")
                             }
+                            Err(_) => tracing::warn!(
+                                "reconnecting to RabbitMQ took over {CONNECT_TIMEOUT:?}; trying again"
+                            ),
                         }
-                        backoff = (backoff * 2).min(Duration::from_secs(5));
                     }
                 }
             };
+            backoff = MIN_BACKOFF;
             let body = delivery.data.clone();
             let handled = amqp
                 .handle(&delivery, |claimed| {
@@ -523,20 +564,27 @@ mod amqp_mode {
             id,
             producer,
         } = sent;
-        let url = std::env::var("AMQP_URL")
-            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned());
+        let (_, uri) = amqp_url()?;
         let queue = format!("{ns}.commands");
-        let connection = Connection::connect(&url, ConnectionProperties::default())
+        let too_long = |what: &str| format!("{what} is over 255 bytes, too long for AMQP");
+        let message_id = ShortString::try_new(*id).map_err(|_| too_long("MESSAGE_ID"))?;
+        let app_id =
+            ShortString::try_new(producer.as_str()).map_err(|_| too_long("CREDITS_PRODUCER"))?;
+        let connection = Connection::connect_uri(uri, ConnectionProperties::default())
             .await
             .map_err(|e| format!("cannot connect to RabbitMQ (AMQP_URL): {e}"))?;
-        let channel = connection.create_channel().await?;
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| format!("opening a channel on RabbitMQ: {e}"))?;
         channel
             .confirm_select(ConfirmSelectOptions::default())
-            .await?;
+            .await
+            .map_err(|e| format!("enabling publisher confirms on RabbitMQ: {e}"))?;
         let body = serde_json::json!({ "account_id": account, "delta": delta }).to_string();
         let properties = BasicProperties::default()
-            .with_message_id((*id).into())
-            .with_app_id(producer.as_str().into())
+            .with_message_id(message_id)
+            .with_app_id(app_id)
             .with_content_type("application/json".into())
             .with_delivery_mode(2);
         // Mandatory: a queue that is not there sends the message back rather than drop it.
@@ -576,12 +624,12 @@ mod amqp_mode {
     /// URL holds a password: errors name the variable, not the URL. The connection is
     /// returned to be kept: the consumer lives on it.
     async fn open(
-        url: &str,
+        uri: &AMQPUri,
         names: &Names,
         amqp: &AmqpConsumer,
     ) -> Result<(Connection, lapin::Consumer), Error> {
         let Names { queue, exchange } = names;
-        let connection = Connection::connect(url, ConnectionProperties::default())
+        let connection = Connection::connect_uri(uri.clone(), ConnectionProperties::default())
             .await
             .map_err(|e| format!("cannot connect to RabbitMQ (AMQP_URL): {e}"))?;
         let channel = connection.create_channel().await?;

@@ -336,5 +336,17 @@ async fn the_transport_reopens_its_own_connection_after_a_cut_and_not_the_caller
         "{failed:?}"
     );
     assert_eq!(proxy.connections(), before, "nothing connected");
+
+    // A URI that does not parse: every delivery is retried, and the error (kept as the
+    // effect's last error, and logged) does not quote the URI and its password.
+    let garbled = AmqpTransport::connect("amqp:guest:s3cret@host", Default::default());
+    let sent = garbled.deliver(&effect("bad-uri", to.clone())).await;
+    let Sent::Retry { error, .. } = sent else {
+        panic!("{sent:?}")
+    };
+    assert!(
+        error.contains("does not parse") && !error.contains("s3cret"),
+        "{error}"
+    );
     broker.delete().await;
 }

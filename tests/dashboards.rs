@@ -99,6 +99,21 @@ fn printed_labels(text: &str) -> BTreeSet<String> {
     labels
 }
 
+/// The stats task's gauges describe the whole database, and every instance that runs it
+/// reports them: summed across instances they would count each thing once per instance.
+fn check_no_sum_of_gauges(query: &Query, expr: &str, context: &str) {
+    let gauges: Vec<_> = query
+        .metrics
+        .iter()
+        .filter(|m| m.kind == MetricKind::Gauge)
+        .map(|m| m.name)
+        .collect();
+    assert!(
+        gauges.is_empty() || !identifiers(expr).any(|(_, word)| word == "sum"),
+        "{context}: sums the gauges {gauges:?} across instances; take the max: {expr}"
+    );
+}
+
 /// Every label is one some metric of the query carries (or the histogram's `le`).
 fn check_labels(query: &Query, labels: &BTreeSet<String>, context: &str) {
     for label in labels {
@@ -137,6 +152,7 @@ fn every_dashboard_query_names_the_crates_metrics_and_their_labels_and_shows_the
             let expr = target["expr"].as_str().expect("every target has an expr");
             let context = format!("panel {title:?}");
             let query = parse(expr, &context);
+            check_no_sum_of_gauges(&query, expr, &context);
             let mut labels = query.labels.clone();
             labels.extend(printed_labels(
                 target["legendFormat"].as_str().unwrap_or(""),
@@ -187,6 +203,7 @@ fn every_alert_names_the_crates_metrics_and_their_labels() {
                 "alert {name}: keep each expr on one line, the checks read it so"
             );
             let query = parse(expr, &format!("alert {name}"));
+            check_no_sum_of_gauges(&query, expr, &format!("alert {name}"));
             let labels = query.labels.clone();
             check_labels(&query, &labels, &format!("alert {name}"));
             current = Some((name.clone(), query));
@@ -215,6 +232,11 @@ fn the_checker_refuses_what_it_should() {
     assert!(refused("inbox_rows", "{{source}}"), "foreign legend label");
     assert!(refused("inbox_rows_count", ""), "not a histogram");
     assert!(refused("up", ""), "none of the crate's metrics");
+    let summed = std::panic::catch_unwind(|| {
+        let expr = "sum by (consumer) (inbox_rows)";
+        check_no_sum_of_gauges(&parse(expr, "test"), expr, "test");
+    });
+    assert!(summed.is_err(), "a sum of a gauge across instances");
     assert!(!refused(
         "histogram_quantile(0.99, sum by (le, consumer) (rate(inbox_claim_wait_seconds_bucket{consumer=~\"a\"}[5m])))",
         "{{consumer}}"

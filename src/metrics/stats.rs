@@ -171,9 +171,10 @@ pub struct Stats {
 ///   visible before its commit, its transaction's lock on the table is. They count the
 ///   transactions of this database holding uncommitted inbox writes (a purge batch too,
 ///   for its few milliseconds), for every consumer together, and their age is the
-///   transaction's. Another role's transactions show only to a member of
-///   `pg_read_all_stats` (or a superuser): give the stats task's role that membership, or
-///   run it as the role the service uses;
+///   transaction's. Another role's transactions are counted, but their start time shows
+///   only to a member of `pg_read_all_stats` (or a superuser): without it their age is
+///   missing from the oldest one's. Run the stats task as the role the service uses, or
+///   give its role that membership;
 /// * **outbox pending** and its oldest age, and **open quarantine items**, are exact: they
 ///   read only pending effects and undecided items, through their partial indexes, so they
 ///   cost as much as the backlog, not the table;

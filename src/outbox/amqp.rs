@@ -5,7 +5,11 @@ use std::time::Duration;
 
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, ShortString};
-use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lapin::uri::AMQPUri;
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ConnectionState,
+    ErrorKind,
+};
 use tokio::sync::Mutex;
 
 use super::transport::{Delivery, Transport};
@@ -65,12 +69,17 @@ enum Source {
     /// The caller's connection, used as it is.
     Shared(Arc<Connection>),
     /// A connection of its own, opened again when lost. The URI may hold a password: it
-    /// is never printed.
+    /// is parsed once, here, so that no later error can echo it, and never printed.
     Own {
-        uri: String,
+        uri: Box<Result<AMQPUri, InvalidUri>>,
         properties: ConnectionProperties,
     },
 }
+
+/// The URI given to [`AmqpTransport::connect`] does not parse. The parser's own message
+/// quotes the URI, password and all, so it is not kept.
+#[derive(Debug, Clone, Copy)]
+struct InvalidUri;
 
 /// The connection and channel in use, replaced when they fail.
 #[derive(Default)]
@@ -98,8 +107,12 @@ impl AmqpTransport {
     /// Publishes on a connection of its own to `uri` (`amqp://user:password@host:5672/%2f`),
     /// opened on the first delivery and again whenever it is lost; see the
     /// [type docs](Self). Nothing connects here: a broker that is down makes deliveries
-    /// retry, not this call fail. The URI is never printed, neither by `Debug` nor in
-    /// delivery errors.
+    /// retry, not this call fail. The URI is parsed here and never printed, neither by
+    /// `Debug` nor in delivery errors; one that does not parse makes every delivery retry
+    /// with an error saying so. Set a [`timeout`](Self::timeout): it also bounds the
+    /// connect, which otherwise waits as long as the network does. Leave lapin's
+    /// `enable_auto_recover` off in `properties`: the transport replaces a lost connection
+    /// itself.
     ///
     /// ```no_run
     /// use std::time::Duration;
@@ -117,8 +130,9 @@ impl AmqpTransport {
     /// # Ok(()) }
     /// ```
     pub fn connect(uri: impl Into<String>, properties: ConnectionProperties) -> Self {
+        let uri: String = uri.into();
         Self::from_source(Source::Own {
-            uri: uri.into(),
+            uri: Box::new(uri.parse::<AMQPUri>().map_err(|_| InvalidUri)),
             properties,
         })
     }
@@ -161,7 +175,12 @@ impl AmqpTransport {
             (Source::Own { uri, properties }, _) => {
                 // The lost one (if any) goes first: a failed connect leaves none cached.
                 link.connection = None;
-                let opened = Arc::new(Connection::connect(uri, properties.clone()).await?);
+                let Ok(uri) = uri.as_ref() else {
+                    // Refused in `deliver` before any channel is asked for.
+                    return Err(ErrorKind::InvalidConnectionState(ConnectionState::Error).into());
+                };
+                let opened =
+                    Arc::new(Connection::connect_uri(uri.clone(), properties.clone()).await?);
                 link.connection = Some(opened.clone());
                 opened
             }
@@ -228,6 +247,15 @@ impl AmqpTransport {
 
 impl Transport for AmqpTransport {
     async fn deliver(&self, effect: &Effect) -> Delivery {
+        if matches!(&self.source, Source::Own { uri, .. } if uri.is_err()) {
+            // Retried, not permanent: the effect is fine, the configuration is not.
+            return Delivery::Retry {
+                status: None,
+                error: "the AMQP URI given to AmqpTransport::connect does not parse \
+                        (not shown: it may hold a password)"
+                    .to_owned(),
+            };
+        }
         // The destination is not echoed: its routing key may name a customer.
         let Some(destination) = destination(&effect.destination) else {
             return permanent(
@@ -273,7 +301,13 @@ impl Transport for AmqpTransport {
             }
         };
         if suspect {
-            self.link.lock().await.channel = None;
+            let mut link = self.link.lock().await;
+            link.channel = None;
+            // A connection of its own goes too: one gone half-open still says it is
+            // connected until its heartbeat notices, and every delivery would wait on it.
+            if matches!(self.source, Source::Own { .. }) {
+                link.connection = None;
+            }
         }
         Delivery::Retry {
             status: None,

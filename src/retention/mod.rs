@@ -106,6 +106,7 @@
 mod guard;
 mod policy;
 mod purge;
+mod report;
 mod sql;
 
 pub use guard::{ExpiredMessage, GuardedClaim, RetentionGuard};
@@ -113,4 +114,5 @@ pub use policy::{
     HumanDuration, RedeliveryPath, RetentionError, RetentionPolicy, RetentionPolicyBuilder,
     Scenario, MAX_HORIZON,
 };
-pub use purge::{PurgeError, PurgeReport, PurgedTable, Purger, PurgerBuilder, TablePurge};
+pub use purge::{Purger, PurgerBuilder};
+pub use report::{PurgeError, PurgeReport, PurgedTable, TablePurge};

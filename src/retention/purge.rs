@@ -1,12 +1,11 @@
 //! Deletes what the retention policies no longer require, in small batches.
 //!
-//! (Over 400 lines: the purger, its builder, its report and its batching loop, which share their settings.)
+//! (Over 400 lines: the purger, its builder and its batching loop, which share their settings.)
 
-use std::fmt;
 use std::future::Future;
+use std::ops::ControlFlow;
 use std::time::Duration;
 
-use ::metrics::Label;
 use sqlx::{PgPool, Postgres, Transaction};
 
 use crate::schema::Schema;
@@ -15,129 +14,9 @@ use tokio::time::MissedTickBehavior;
 use tracing::Instrument;
 
 use super::policy::{check_duration, RetentionError, RetentionPolicy};
+use super::report::{PurgeError, PurgeReport, PurgedTable, TablePurge};
 use super::sql;
 use crate::inbox::InboxError;
-use crate::metrics::{count, INBOX_PURGED, OUTBOX_PURGED, QUARANTINE_PURGED};
-
-/// A table the purge deletes from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum PurgedTable {
-    /// Processed inbox rows (the [inbox policy](PurgerBuilder::inbox)).
-    ConsumerInbox,
-    /// Records of attempts that rolled back (the inbox policy).
-    ConsumerInboxFailure,
-    /// Delivered effects, and dead ones that were discarded (the
-    /// [outbox policy](PurgerBuilder::outbox)).
-    MessageOutbox,
-    /// Decided quarantine items (the [quarantine policy](PurgerBuilder::quarantine)).
-    InboxQuarantine,
-}
-
-impl PurgedTable {
-    /// The table's name, also the `table` label of [`INBOX_PURGED`].
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::ConsumerInbox => "consumer_inbox",
-            Self::ConsumerInboxFailure => "consumer_inbox_failure",
-            Self::MessageOutbox => "message_outbox",
-            Self::InboxQuarantine => "inbox_quarantine",
-        }
-    }
-
-    fn count_purged(self, rows: u64) {
-        match self {
-            Self::ConsumerInbox | Self::ConsumerInboxFailure => {
-                count(INBOX_PURGED, &[Label::new("table", self.as_str())], rows);
-            }
-            Self::MessageOutbox => count(OUTBOX_PURGED, &[], rows),
-            Self::InboxQuarantine => count(QUARANTINE_PURGED, &[], rows),
-        }
-    }
-}
-
-impl fmt::Display for PurgedTable {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-/// What one purge (or dry run) did to one table.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TablePurge {
-    /// The table.
-    pub table: PurgedTable,
-    /// Rows older than this (on the database's clock) were eligible: now minus the window.
-    pub cutoff: OffsetDateTime,
-    /// Rows deleted, or that a dry run would delete.
-    pub rows: u64,
-    /// Delete statements run (none in a dry run).
-    pub batches: u64,
-}
-
-/// What one purge (or dry run) did, per table.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct PurgeReport {
-    /// Whether this was a dry run: counted, nothing deleted.
-    pub dry_run: bool,
-    /// One entry per table, in the order purged.
-    pub tables: Vec<TablePurge>,
-}
-
-impl PurgeReport {
-    /// The entry for `table`, if its policy was set.
-    pub fn table(&self, table: PurgedTable) -> Option<&TablePurge> {
-        self.tables.iter().find(|t| t.table == table)
-    }
-
-    /// Rows deleted (or that would be) from `table`; 0 when it was not purged.
-    pub fn rows(&self, table: PurgedTable) -> u64 {
-        self.table(table).map_or(0, |t| t.rows)
-    }
-
-    /// Rows deleted (or that would be) from all tables.
-    pub fn total_rows(&self) -> u64 {
-        self.tables.iter().map(|t| t.rows).sum()
-    }
-}
-
-impl fmt::Display for PurgeReport {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let verb = if self.dry_run {
-            "would delete"
-        } else {
-            "deleted"
-        };
-        let mut first = true;
-        for t in &self.tables {
-            if !first {
-                writeln!(f)?;
-            }
-            first = false;
-            write!(
-                f,
-                "{}: {verb} {} rows older than {}",
-                t.table, t.rows, t.cutoff
-            )?;
-        }
-        Ok(())
-    }
-}
-
-/// A purge that failed part way. The batches before the failure are committed (and
-/// counted in the metrics); nothing else was touched.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "retention purge of {table} failed after {deleted} rows were deleted in this run: {source}"
-)]
-pub struct PurgeError {
-    /// The table being purged when it failed.
-    pub table: PurgedTable,
-    /// Rows this run had deleted before the failure, all tables together.
-    pub deleted: u64,
-    /// What failed.
-    #[source]
-    pub source: InboxError,
-}
 
 /// One set of purgeable rows: its dry-run count and its batch delete, built from one
 /// predicate in `sql.rs`.
@@ -396,13 +275,45 @@ impl Purger {
     /// eligible while it runs are left for the next run: each table's cutoff is fixed when
     /// its pass starts.
     pub async fn purge(&self) -> Result<PurgeReport, PurgeError> {
-        self.pass(false).await
+        self.pass(false, &mut |_| ControlFlow::Continue(())).await
+    }
+
+    /// As [`purge`](Self::purge), calling `observe` after each batch with the running
+    /// totals of the table being purged. [`ControlFlow::Break`] stops the purge there:
+    /// every batch so far is committed, none is half done, and the report says it
+    /// [stopped](PurgeReport::stopped). An operator's tool draws its progress and stops on
+    /// Ctrl-C with it.
+    ///
+    /// ```no_run
+    /// use std::ops::ControlFlow;
+    /// use std::sync::atomic::{AtomicBool, Ordering};
+    /// use tower_inbox::retention::Purger;
+    ///
+    /// # async fn run(purger: Purger, interrupted: &AtomicBool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let report = purger
+    ///     .purge_observed(|table| {
+    ///         eprintln!("{}: {} rows", table.table, table.rows);
+    ///         if interrupted.load(Ordering::Relaxed) {
+    ///             ControlFlow::Break(())
+    ///         } else {
+    ///             ControlFlow::Continue(())
+    ///         }
+    ///     })
+    ///     .await?;
+    /// println!("{report}");
+    /// # Ok(()) }
+    /// ```
+    pub async fn purge_observed(
+        &self,
+        mut observe: impl FnMut(&TablePurge) -> ControlFlow<()> + Send,
+    ) -> Result<PurgeReport, PurgeError> {
+        self.pass(false, &mut observe).await
     }
 
     /// Counts what [`purge`](Self::purge) would delete now, per table, with the cutoffs;
     /// deletes nothing and takes no row locks. Its lock waits are bounded like the purge's.
     pub async fn dry_run(&self) -> Result<PurgeReport, PurgeError> {
-        self.pass(true).await
+        self.pass(true, &mut |_| ControlFlow::Continue(())).await
     }
 
     /// Purges now and then every `period` until `shutdown` completes, like a session
@@ -448,10 +359,15 @@ impl Purger {
         }
     }
 
-    async fn pass(&self, dry_run: bool) -> Result<PurgeReport, PurgeError> {
+    async fn pass(
+        &self,
+        dry_run: bool,
+        observe: &mut (dyn FnMut(&TablePurge) -> ControlFlow<()> + Send),
+    ) -> Result<PurgeReport, PurgeError> {
         let mut report = PurgeReport {
             dry_run,
             tables: Vec::with_capacity(self.targets.len()),
+            stopped: false,
         };
         for target in &self.targets {
             let span = tracing::info_span!(
@@ -461,8 +377,8 @@ impl Purger {
                 rows = tracing::field::Empty,
                 dry_run,
             );
-            let purged = self
-                .purge_table(target, dry_run)
+            let (purged, stopped) = self
+                .purge_table(target, dry_run, observe)
                 .instrument(span)
                 .await
                 .map_err(|(source, rows)| PurgeError {
@@ -471,17 +387,22 @@ impl Purger {
                     source,
                 })?;
             report.tables.push(purged);
+            if stopped {
+                report.stopped = true;
+                break;
+            }
         }
         Ok(report)
     }
 
-    /// One table, in the current `retention.purge` span. On failure, also the rows it had
-    /// deleted.
+    /// One table, in the current `retention.purge` span, and whether `observe` stopped it.
+    /// On failure, also the rows it had deleted.
     async fn purge_table(
         &self,
         target: &Target,
         dry_run: bool,
-    ) -> Result<TablePurge, (InboxError, u64)> {
+        observe: &mut (dyn FnMut(&TablePurge) -> ControlFlow<()> + Send),
+    ) -> Result<(TablePurge, bool), (InboxError, u64)> {
         let span = tracing::Span::current();
         let cutoff: OffsetDateTime = sqlx::query_scalar(sql::CUTOFF)
             .bind(target.window.as_secs_f64())
@@ -512,6 +433,10 @@ impl Purger {
                 target.table.count_purged(rows);
                 purged.rows += rows;
                 purged.batches += 1;
+                if observe(&purged).is_break() {
+                    span.record("rows", purged.rows);
+                    return Ok((purged, true));
+                }
                 // A short batch means the set is exhausted, or what is left is locked by
                 // someone else right now: either way, the next run takes it.
                 if rows < self.batch_size.unsigned_abs() {
@@ -523,7 +448,7 @@ impl Purger {
             }
         }
         span.record("rows", purged.rows);
-        Ok(purged)
+        Ok((purged, false))
     }
 
     /// A transaction whose lock waits are bounded by the lock timeout.

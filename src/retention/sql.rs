@@ -107,9 +107,14 @@ macro_rules! decided_expired {
 /// The rows are deleted by the physical address (`ctid`) the locking scan found them at,
 /// a TID scan, rather than looked up again by key: that saves a primary key descent per row
 /// (614 rather than 1 414 buffers for a batch of 200 inbox rows at 1M rows). It is exact:
-/// the row lock keeps vacuum from reusing the address until the batch commits, and a row
-/// updated since the statement's snapshot has a new address the delete cannot see, so it
-/// is left for the next run (a short batch), never deleted unchecked. A claim takes no
+/// the statement's snapshot keeps vacuum from reclaiming, and so reusing, the address of
+/// any row it can see; the row lock keeps every other writer off the row until the batch
+/// commits; and a row updated since the snapshot has a new address the delete cannot
+/// see, so it is left for the next run (a short batch), never deleted unchecked. An
+/// address is unique only within one table: the delete also requires the row to be in the
+/// table itself (`tableoid`), so on a partitioned table, whose rows live in its partitions,
+/// it deletes nothing rather than a row of another partition at the same address (drop
+/// old partitions instead: see the module docs on partitioning). A claim takes no
 /// row lock on a row it conflicts with, so a purge may delete a row a duplicate has just
 /// met; the claim then finds it gone and claims it as new. That is only possible for rows
 /// past the window, which is what the window is for.
@@ -130,7 +135,9 @@ macro_rules! purgeable {
             $order,
             " limit $2 for update of ",
             $alias,
-            " skip locked))"
+            " skip locked)) and tableoid = 'tower_inbox.",
+            $table,
+            "'::regclass"
         );
     };
 }

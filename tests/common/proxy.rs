@@ -77,9 +77,12 @@ impl Proxy {
     }
 
     /// Ends every connection open now, both ways, as a broken network or a restarted peer
-    /// would; connections made afterwards are forwarded as before.
-    pub fn cut_all(&self) {
+    /// would, and returns how many that was; connections made afterwards are forwarded as
+    /// before.
+    pub fn cut_all(&self) -> usize {
+        let open = self.generation.receiver_count();
         self.generation.send_modify(|g| *g += 1);
+        open
     }
 
     /// How many connections the proxy has forwarded so far: more than the client opened at
