@@ -483,3 +483,225 @@ async fn a_dead_effect_retried_through_the_cli_is_delivered_and_its_item_recover
     let unknown = cli(url, &["outbox", "show", "no-such-effect"]);
     assert_eq!(unknown.status.code(), Some(1));
 }
+
+/// `n` processed inbox rows of consumer `cli-purge`, received and processed `days` ago.
+async fn aged_rows(pool: &PgPool, prefix: &str, n: i32, days: i32) {
+    sqlx::query(
+        "insert into tower_inbox.consumer_inbox
+             (consumer_name, producer_name, message_id, payload_sha256, handler_version,
+              received_at, processed_at, response_status)
+         select 'cli-purge', 'app', $1 || '-' || g, repeat('a', 64), 'v1',
+                now() - make_interval(days => $3), now() - make_interval(days => $3), 200
+         from generate_series(1, $2) g",
+    )
+    .bind(prefix)
+    .bind(n)
+    .bind(days)
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+async fn inbox_count(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "select count(*) from tower_inbox.consumer_inbox where consumer_name = 'cli-purge'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+const WINDOW: [&str; 4] = ["--retry-horizon", "1d", "--safety-margin", "1d"];
+
+#[tokio::test]
+async fn purge_dry_run_counts_what_purge_yes_deletes_and_never_an_in_flight_claim() {
+    let app = TestApp::new().await;
+    let url = app.db.url();
+    aged_rows(&app.pool, "old", 25, 10).await;
+    aged_rows(&app.pool, "young", 5, 0).await;
+    // A claim in flight: its row is uncommitted, and stays out of the purge's reach.
+    let inbox = Inbox::new(app.pool.clone());
+    let identity = MessageIdentity::new(
+        "cli-purge",
+        Producer::new("app").unwrap(),
+        MessageKey::new("in-flight").unwrap(),
+    );
+    let claimed = match inbox
+        .claim(
+            identity.clone(),
+            tower_inbox::fingerprint::Fingerprint::of_bytes(b"x"),
+            "v1",
+            Duration::ZERO,
+        )
+        .await
+        .unwrap()
+    {
+        tower_inbox::inbox::Claim::Claimed(claimed) => claimed,
+        other => panic!("{other:?}"),
+    };
+
+    let dry = ok(cli(url, &[&["purge", "--dry-run"][..], &WINDOW].concat()));
+    assert!(dry.starts_with("inbox: retention window 2d"), "{dry}");
+    assert!(
+        dry.contains("consumer_inbox: would delete 25 rows older than"),
+        "{dry}"
+    );
+    assert_eq!(
+        inbox_count(&app.pool).await,
+        30,
+        "a dry run deletes nothing"
+    );
+    let done = ok(cli(
+        url,
+        &[
+            &["purge", "--yes", "--batch-size", "10", "--pause", "0ms"][..],
+            &WINDOW,
+        ]
+        .concat(),
+    ));
+    assert!(
+        done.contains("consumer_inbox: deleted 25 rows older than"),
+        "{done}"
+    );
+    assert_eq!(inbox_count(&app.pool).await, 5, "the young rows stay");
+
+    claimed.commit(None).await.unwrap();
+    assert!(
+        inbox.lookup(&identity).await.unwrap().is_some(),
+        "the claim committed its row"
+    );
+}
+
+#[tokio::test]
+async fn ctrl_c_stops_a_purge_between_batches() {
+    let app = TestApp::new().await;
+    aged_rows(&app.pool, "old", 50, 10).await;
+    let child = Command::new(env!("CARGO_BIN_EXE_tower-inbox"))
+        .args(
+            [
+                &["purge", "--yes", "--batch-size", "10", "--pause", "2s"][..],
+                &WINDOW,
+            ]
+            .concat(),
+        )
+        .env("DATABASE_URL", app.db.url())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The first batch is gone: the purge runs, and its pause is long.
+    let started = Instant::now();
+    while inbox_count(&app.pool).await == 50 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no batch deleted"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pid = child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-INT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let output = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    let text = stdout(&output);
+    assert!(text.contains("stopped before the end"), "{text}");
+    let left = inbox_count(&app.pool).await;
+    assert!(
+        left > 0 && left < 50 && left % 10 == 0,
+        "whole batches only: {left} left"
+    );
+}
+
+#[tokio::test]
+async fn purge_refuses_bad_durations_policies_and_a_missing_mode() {
+    let app = TestApp::new().await;
+    let url = app.db.url();
+    let dir = std::env::temp_dir().join(format!("tower-inbox-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let unknown = dir.join("unknown.toml");
+    std::fs::write(
+        &unknown,
+        "[inbox]\nretry_horizon = \"1d\"\nsafety_margin = \"1d\"\nforever = \"1d\"\n",
+    )
+    .unwrap();
+    let banana = dir.join("banana.toml");
+    std::fs::write(&banana, "[inbox]\nretry_horizon = \"banana\"\n").unwrap();
+    let unknown = unknown.to_str().unwrap();
+    let banana = banana.to_str().unwrap();
+    for (args, says) in [
+        (
+            vec!["purge", "--dry-run", "--retry-horizon", "banana"],
+            "is not a duration",
+        ),
+        (
+            vec!["purge", "--retry-horizon", "1d", "--safety-margin", "1d"],
+            "--dry-run|--yes",
+        ),
+        (
+            vec!["purge", "--dry-run", "--policy", unknown],
+            "unknown field `forever`",
+        ),
+        (
+            vec!["purge", "--dry-run", "--policy", banana],
+            "[inbox] retry_horizon",
+        ),
+        (
+            vec!["purge", "--dry-run", "--retry-horizon", "1d"],
+            "safety margin",
+        ),
+        (
+            vec![
+                "purge",
+                "--dry-run",
+                "--safety-margin",
+                "1d",
+                "--outbox-window",
+                "1d",
+                "--window",
+                "1d",
+            ],
+            "no failure scenario",
+        ),
+        (vec!["purge", "--dry-run"], "give the inbox's scenarios"),
+    ] {
+        let output = cli(url, &args);
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            stderr(&output)
+        );
+        assert!(
+            stderr(&output).contains(says),
+            "{args:?}: {}",
+            stderr(&output)
+        );
+    }
+    // The README's policy file works.
+    let readme = dir.join("readme.toml");
+    std::fs::write(
+        &readme,
+        "[inbox]\nretry_horizon = \"1d\"\noutage_tolerance = \"1d\"\nsafety_margin = \"1d\"\n\n\
+         [quarantine]\naudit = \"30d\"\nsafety_margin = \"1d\"\n",
+    )
+    .unwrap();
+    let shown = ok(cli(
+        url,
+        &["purge", "--dry-run", "--policy", readme.to_str().unwrap()],
+    ));
+    assert!(shown.starts_with("inbox: retention window 3d"), "{shown}");
+    assert!(
+        shown.contains("quarantine: retention window 31d: audit 30d"),
+        "{shown}"
+    );
+    assert!(
+        shown.contains("inbox_quarantine: would delete 0 rows"),
+        "{shown}"
+    );
+    let _ = std::fs::remove_dir_all(dir);
+}

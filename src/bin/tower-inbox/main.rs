@@ -14,6 +14,7 @@ mod database;
 mod inspect;
 mod migrate;
 mod outbox;
+mod purge;
 mod quarantine;
 mod render;
 mod status;
@@ -72,6 +73,8 @@ enum Command {
     /// Outbox effects: list, show, retry a dead one.
     #[command(subcommand)]
     Outbox(outbox::Command),
+    /// The retention purge: what would go (--dry-run), or delete it (--yes).
+    Purge(purge::Purge),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -102,5 +105,6 @@ async fn run(cli: Cli, origin: &'static str) -> Result<(), Failure> {
         Command::Inspect(args) => inspect::run(&db, args).await,
         Command::Quarantine(command) => quarantine::run(&db, command).await,
         Command::Outbox(command) => outbox::run(&db, command).await,
+        Command::Purge(args) => purge::run(&db, args).await,
     }
 }

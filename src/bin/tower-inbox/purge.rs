@@ -1,0 +1,366 @@
+//! `purge --dry-run | --yes`: the retention purge, with the policy from flags or a file.
+
+use std::io::IsTerminal;
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{ArgGroup, Args};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Deserialize;
+use tower_inbox::retention::{Purger, RetentionPolicy, RetentionPolicyBuilder};
+
+use crate::database::{Database, Failure};
+use crate::render;
+
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("mode").required(true).args(["dry_run", "yes"])))]
+pub struct Purge {
+    /// Print what would be deleted, per table, with the cutoffs; delete nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Delete. Ctrl-C stops after the batch in hand; every batch before it is committed.
+    #[arg(long)]
+    yes: bool,
+    /// The policies from a TOML file (tables `[inbox]`, `[outbox]`, `[quarantine]`, each
+    /// with scenario horizons or a `window`; see the README) instead of the flags below.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["inbox_scenarios", "outbox_window", "quarantine_window"])]
+    policy: Option<PathBuf>,
+    #[command(flatten)]
+    inbox: Scenarios,
+    /// Also purge delivered and discarded outbox effects older than this plus the
+    /// --safety-margin (an audit window, the scenario `--outbox-window`).
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    outbox_window: Option<Duration>,
+    /// Also purge decided quarantine items older than this plus the --safety-margin.
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    quarantine_window: Option<Duration>,
+    /// Rows per batch (the purger's default when not given).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    batch_size: Option<u32>,
+    /// The pause between full batches (the purger's default when not given).
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    pause: Option<Duration>,
+}
+
+/// The inbox's retention scenarios, as `RetentionPolicyBuilder` names them. Durations are
+/// like `1d`, `12h`, `30m`, `1d 6h`.
+#[derive(Debug, Args)]
+#[group(id = "inbox_scenarios", multiple = true)]
+struct Scenarios {
+    /// How long producers (or the broker) keep retrying.
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    retry_horizon: Option<Duration>,
+    /// The longest outage to survive; extends the retry horizon.
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    outage_tolerance: Option<Duration>,
+    /// How far consumer offsets may be rewound.
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    offset_rewind: Option<Duration>,
+    /// How old a redriven dead letter can be.
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    dead_letter_redrive: Option<Duration>,
+    /// The age of the oldest backup you would restore and replay from.
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    backup_restore: Option<Duration>,
+    /// How old the messages of a planned replay can be.
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    planned_replay: Option<Duration>,
+    /// Added to the longest path.
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    safety_margin: Option<Duration>,
+    /// An explicit window (it must cover the scenarios given).
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    window: Option<Duration>,
+    /// An audit window: only from a policy file (`audit = "30d"`).
+    #[arg(skip)]
+    audit: Option<Duration>,
+}
+
+/// One table's policy in the TOML file: the same names as the flags, durations as strings.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileScenarios {
+    retry_horizon: Option<String>,
+    outage_tolerance: Option<String>,
+    offset_rewind: Option<String>,
+    dead_letter_redrive: Option<String>,
+    backup_restore: Option<String>,
+    planned_replay: Option<String>,
+    safety_margin: Option<String>,
+    window: Option<String>,
+    /// How long to keep rows for audits: a scenario named `audit`.
+    audit: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PolicyFile {
+    inbox: Option<FileScenarios>,
+    outbox: Option<FileScenarios>,
+    quarantine: Option<FileScenarios>,
+}
+
+/// `1d`, `12h`, `30m`, `45s`, `250ms`, or several: `1d 6h`.
+pub fn duration(text: &str) -> Result<Duration, String> {
+    let bad = || format!("{text:?} is not a duration (like 1d, 12h, 30m, 45s, 1d 6h)");
+    let mut total = Duration::ZERO;
+    let mut any = false;
+    for part in text.split_whitespace() {
+        let split = part.find(|c: char| !c.is_ascii_digit()).ok_or_else(bad)?;
+        let (number, unit) = part.split_at(split);
+        let n: u64 = number.parse().map_err(|_| bad())?;
+        let unit = match unit {
+            "d" => Duration::from_secs(86_400),
+            "h" => Duration::from_secs(3_600),
+            "m" => Duration::from_secs(60),
+            "s" => Duration::from_secs(1),
+            "ms" => Duration::from_millis(1),
+            _ => return Err(bad()),
+        };
+        total = unit
+            .checked_mul(u32::try_from(n).map_err(|_| bad())?)
+            .and_then(|d| total.checked_add(d))
+            .ok_or_else(bad)?;
+        any = true;
+    }
+    if any {
+        Ok(total)
+    } else {
+        Err(bad())
+    }
+}
+
+impl Scenarios {
+    fn any(&self) -> bool {
+        self.declared().iter().any(|(_, d)| d.is_some())
+    }
+
+    fn declared(&self) -> [(&'static str, Option<Duration>); 9] {
+        [
+            ("audit", self.audit),
+            ("retry_horizon", self.retry_horizon),
+            ("outage_tolerance", self.outage_tolerance),
+            ("offset_rewind", self.offset_rewind),
+            ("dead_letter_redrive", self.dead_letter_redrive),
+            ("backup_restore", self.backup_restore),
+            ("planned_replay", self.planned_replay),
+            ("safety_margin", self.safety_margin),
+            ("window", self.window),
+        ]
+    }
+
+    fn policy(&self, what: &str) -> Result<RetentionPolicy, Failure> {
+        let mut builder = RetentionPolicy::builder();
+        for (name, value) in self.declared() {
+            if let Some(d) = value {
+                builder = set(builder, name, d);
+            }
+        }
+        builder
+            .build()
+            .map_err(|e| Failure::Usage(format!("the {what} policy: {e}")))
+    }
+}
+
+fn set(builder: RetentionPolicyBuilder, name: &str, d: Duration) -> RetentionPolicyBuilder {
+    match name {
+        "retry_horizon" => builder.retry_horizon(d),
+        "outage_tolerance" => builder.outage_tolerance(d),
+        "offset_rewind" => builder.offset_rewind(d),
+        "dead_letter_redrive" => builder.dead_letter_redrive(d),
+        "backup_restore" => builder.backup_restore(d),
+        "planned_replay" => builder.planned_replay(d),
+        "safety_margin" => builder.safety_margin(d),
+        "audit" => builder.custom("audit", d),
+        _ => builder.window(d),
+    }
+}
+
+impl FileScenarios {
+    fn scenarios(&self, table: &str) -> Result<Scenarios, Failure> {
+        let parse = |name: &str, value: &Option<String>| -> Result<Option<Duration>, Failure> {
+            value
+                .as_deref()
+                .map(|v| duration(v).map_err(|e| Failure::Usage(format!("[{table}] {name}: {e}"))))
+                .transpose()
+        };
+        Ok(Scenarios {
+            audit: parse("audit", &self.audit)?,
+            retry_horizon: parse("retry_horizon", &self.retry_horizon)?,
+            outage_tolerance: parse("outage_tolerance", &self.outage_tolerance)?,
+            offset_rewind: parse("offset_rewind", &self.offset_rewind)?,
+            dead_letter_redrive: parse("dead_letter_redrive", &self.dead_letter_redrive)?,
+            backup_restore: parse("backup_restore", &self.backup_restore)?,
+            planned_replay: parse("planned_replay", &self.planned_replay)?,
+            safety_margin: parse("safety_margin", &self.safety_margin)?,
+            window: parse("window", &self.window)?,
+        })
+    }
+}
+
+/// The policies per table: inbox, outbox, quarantine.
+type Policies = (
+    Option<RetentionPolicy>,
+    Option<RetentionPolicy>,
+    Option<RetentionPolicy>,
+);
+
+fn policies(args: &Purge) -> Result<Policies, Failure> {
+    if let Some(path) = &args.policy {
+        let shown = path.display();
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Failure::Usage(format!("--policy {shown}: {e}")))?;
+        let file: PolicyFile = toml::from_str(&text).map_err(|e| {
+            let why = e.message().to_owned();
+            Failure::Usage(format!("--policy {shown}: {why}"))
+        })?;
+        let table = |name: &str, scenarios: &Option<FileScenarios>| {
+            scenarios
+                .as_ref()
+                .map(|s| s.scenarios(name)?.policy(name))
+                .transpose()
+        };
+        return Ok((
+            table("inbox", &file.inbox)?,
+            table("outbox", &file.outbox)?,
+            table("quarantine", &file.quarantine)?,
+        ));
+    }
+    // An audit window, as a named scenario with the flags' safety margin: the policy
+    // refuses a bare TTL.
+    let margin = args.inbox.safety_margin;
+    let window = |d: Option<Duration>, what: &str| {
+        d.map(|d| {
+            let margin = margin
+                .ok_or_else(|| Failure::Usage(format!("--{what} needs a --safety-margin too")))?;
+            RetentionPolicy::builder()
+                .custom(format!("--{what}"), d)
+                .safety_margin(margin)
+                .build()
+                .map_err(|e| Failure::Usage(format!("--{what}: {e}")))
+        })
+        .transpose()
+    };
+    Ok((
+        if args.inbox.any() {
+            Some(args.inbox.policy("inbox")?)
+        } else {
+            None
+        },
+        window(args.outbox_window, "outbox-window")?,
+        window(args.quarantine_window, "quarantine-window")?,
+    ))
+}
+
+pub async fn run(db: &Database, args: Purge) -> Result<(), Failure> {
+    let (inbox, outbox, quarantine) = policies(&args)?;
+    let mut builder = Purger::builder(db.pool.clone()).schema(db.schema.clone());
+    for (name, policy) in [
+        ("inbox", &inbox),
+        ("outbox", &outbox),
+        ("quarantine", &quarantine),
+    ] {
+        if let Some(policy) = policy {
+            render::line(format_args!("{name}: {}", policy.to_string().trim_end()));
+        }
+    }
+    if let Some(policy) = inbox {
+        builder = builder.inbox(policy);
+    }
+    if let Some(policy) = outbox {
+        builder = builder.outbox(policy);
+    }
+    if let Some(policy) = quarantine {
+        builder = builder.quarantine(policy);
+    }
+    if let Some(rows) = args.batch_size {
+        builder = builder.batch_size(rows);
+    }
+    if let Some(pause) = args.pause {
+        builder = builder.pause_between_batches(pause);
+    }
+    let purger = builder.build().map_err(|e| {
+        Failure::Usage(format!(
+            "{e}: give the inbox's scenarios, --outbox-window, --quarantine-window or --policy"
+        ))
+    })?;
+    if args.dry_run {
+        let report = purger
+            .dry_run()
+            .await
+            .map_err(|e| db.failure("counting what to purge in", e))?;
+        render::line(report);
+        return Ok(());
+    }
+
+    let interrupted = Arc::new(AtomicBool::new(false));
+    let watch = {
+        let interrupted = interrupted.clone();
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                interrupted.store(true, Ordering::Relaxed);
+            }
+        })
+    };
+    let terminal = std::io::stderr().is_terminal();
+    let bar = terminal.then(|| {
+        let bar = ProgressBar::new_spinner();
+        bar.set_style(
+            ProgressStyle::with_template("{spinner} {msg} ({elapsed})")
+                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
+        bar.enable_steady_tick(Duration::from_millis(200));
+        bar
+    });
+    let mut last_line = std::time::Instant::now();
+    let report = purger
+        .purge_observed(|table| {
+            let progress = format!(
+                "{}: {} rows deleted in {} batches",
+                table.table, table.rows, table.batches
+            );
+            match &bar {
+                Some(bar) => bar.set_message(progress),
+                // Not a terminal: a plain line now and then, not one per batch.
+                None if last_line.elapsed() >= Duration::from_secs(5) => {
+                    eprintln!("{progress}");
+                    last_line = std::time::Instant::now();
+                }
+                None => {}
+            }
+            if interrupted.load(Ordering::Relaxed) {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })
+        .await;
+    watch.abort();
+    if let Some(bar) = bar {
+        bar.finish_and_clear();
+    }
+    let report = report.map_err(|e| db.failure("purging", e))?;
+    render::line(report);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::duration;
+    use std::time::Duration;
+
+    #[test]
+    fn durations_read_as_people_write_them() {
+        let s = Duration::from_secs;
+        assert_eq!(duration("1d"), Ok(s(86_400)));
+        assert_eq!(duration("1d 6h"), Ok(s(108_000)));
+        assert_eq!(duration("30m"), Ok(s(1_800)));
+        assert_eq!(duration("250ms"), Ok(Duration::from_millis(250)));
+        for bad in ["", "banana", "1", "1w", "d", "-1d", "99999999999d"] {
+            assert!(duration(bad).is_err(), "{bad:?}");
+        }
+    }
+}
