@@ -239,6 +239,16 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_value_in_quotes_is_an_sf_string_and_a_key_with_quotes_round_trips() {
+        // Found by the round-trip property: a bare value that starts with a quote is read
+        // as an sf-string, while the key `"#"` (quotes included) survives its quoted form.
+        assert_eq!(parse("\"#\"").unwrap().as_str(), "#");
+        let with_quotes = MessageKey("\"#\"".to_owned());
+        let sent = with_quotes.to_sf_string();
+        assert_eq!(parse(&sent).unwrap(), with_quotes);
+    }
+
     proptest! {
         #[test]
         fn never_panics_on_any_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..300)) {
@@ -253,8 +263,10 @@ mod tests {
                 MAX_KEY_LEN,
             ).unwrap();
             prop_assert_eq!(quoted.as_str(), key.as_str());
-            // A bare key, when accepted, is the same key as its quoted form.
-            if let Ok(bare) = parsed {
+            // A bare key, when accepted, is the same key as its quoted form. A value that
+            // starts with a quote is not bare: it is read as an sf-string (`"#"` is the key
+            // `#`), whatever the key it was generated from.
+            if let (Ok(bare), false) = (parsed, key.starts_with('"')) {
                 prop_assert_eq!(bare, quoted);
             }
         }

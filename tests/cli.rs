@@ -236,6 +236,31 @@ async fn quarantine_commands_list_show_and_decide_once() {
     );
     let listed = json(cli(url, &["quarantine", "list", "--decided", "--json"]));
     assert_eq!(listed[0]["decision"], "repair");
+    // A newer open item: the filters apply before the limit, so the decided one is still
+    // the one `--decided --limit 1` finds.
+    let credits = app.credits();
+    let conflict = send(&credits, credit("a1", Some("k2"), Some("app"), 9)).await;
+    assert_eq!(conflict.problem_type(), "payload-mismatch");
+    let decided = json(cli(
+        url,
+        &["quarantine", "list", "--decided", "--limit", "1", "--json"],
+    ));
+    assert_eq!(decided.as_array().map(Vec::len), Some(1), "{decided}");
+    assert_eq!(decided[0]["id"], item.id);
+    let open = json(cli(url, &["quarantine", "list", "--limit", "1", "--json"]));
+    assert_eq!(open[0]["message_id"], "k2");
+    let by_reason = json(cli(
+        url,
+        &[
+            "quarantine",
+            "list",
+            "--all",
+            "--reason",
+            "payload-mismatch",
+            "--json",
+        ],
+    ));
+    assert_eq!(by_reason.as_array().map(Vec::len), Some(2));
 
     let unknown = cli(url, &["quarantine", "show", "999999"]);
     assert_eq!(unknown.status.code(), Some(1));
@@ -265,6 +290,22 @@ async fn bad_input_is_exit_2_and_an_unreachable_database_exit_3_without_the_pass
     }
     let schema = cli(url, &["status", "--schema", "Bad-Name"]);
     assert_eq!(schema.status.code(), Some(2), "{}", stderr(&schema));
+    // Argument errors are usage errors even when the database cannot be reached.
+    let down = "postgres://u@127.0.0.1:1/x";
+    for args in [
+        &["quarantine", "repair", "1", "--by", " ", "--why", "x"][..],
+        &["outbox", "retry", "e1", "--by", "ops", "--why", ""],
+        &["inspect", "--consumer", "c", "--producer", "", "k"],
+        &["purge", "--dry-run", "--retry-horizon", "1d"],
+    ] {
+        let output = cli(down, args);
+        assert_eq!(
+            output.status.code(),
+            Some(2),
+            "{args:?}: {}",
+            stderr(&output)
+        );
+    }
 
     let started = Instant::now();
     let unreachable = cli("postgres://u:s3cret-pw@127.0.0.1:1/x", &["status"]);
@@ -598,23 +639,28 @@ async fn ctrl_c_stops_a_purge_between_batches() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // Interrupted during the pause that follows: no batch more is deleted.
+    let at_signal = inbox_count(&app.pool).await;
     let pid = child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-INT", &pid])
-        .status()
-        .unwrap()
-        .success());
+    let signalled = Command::new("kill").args(["-INT", &pid]).status().unwrap();
+    assert!(signalled.success());
     let output = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
         .await
         .unwrap();
-    assert!(output.status.success(), "{}", stderr(&output));
-    let text = stdout(&output);
-    assert!(text.contains("stopped before the end"), "{text}");
-    let left = inbox_count(&app.pool).await;
+    assert_eq!(output.status.code(), Some(130), "{}", stderr(&output));
     assert!(
-        left > 0 && left < 50 && left % 10 == 0,
-        "whole batches only: {left} left"
+        stdout(&output).contains("stopped before the end"),
+        "{}",
+        stdout(&output)
     );
+    assert!(
+        stderr(&output).contains("interrupted"),
+        "{}",
+        stderr(&output)
+    );
+    let left = inbox_count(&app.pool).await;
+    assert_eq!(left, at_signal, "stopped before another batch");
+    assert_eq!(left, 40, "one whole batch deleted");
 }
 
 #[tokio::test]
@@ -667,6 +713,10 @@ async fn purge_refuses_bad_durations_policies_and_a_missing_mode() {
             ],
             "no failure scenario",
         ),
+        (
+            vec!["purge", "--dry-run", "--quarantine-window", "30d"],
+            "needs a --safety-margin",
+        ),
         (vec!["purge", "--dry-run"], "give the inbox's scenarios"),
     ] {
         let output = cli(url, &args);
@@ -682,6 +732,23 @@ async fn purge_refuses_bad_durations_policies_and_a_missing_mode() {
             stderr(&output)
         );
     }
+    // The quarantine alone, with the flags.
+    let alone = ok(cli(
+        url,
+        &[
+            "purge",
+            "--dry-run",
+            "--quarantine-window",
+            "30d",
+            "--safety-margin",
+            "1d",
+        ],
+    ));
+    assert!(
+        alone.starts_with("quarantine: retention window 31d"),
+        "{alone}"
+    );
+    assert!(!alone.contains("consumer_inbox"), "{alone}");
     // The README's policy file works.
     let readme = dir.join("readme.toml");
     std::fs::write(

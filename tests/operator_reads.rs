@@ -6,7 +6,7 @@ mod common;
 use common::unreachable_pool;
 use tower_inbox::inbox::Inbox;
 use tower_inbox::outbox::{EffectId, Outbox, OutboxFilter};
-use tower_inbox::quarantine::{Quarantine, QuarantineFilter};
+use tower_inbox::quarantine::{Quarantine, QuarantineFilter, QuarantineQuery, QuarantineState};
 use tower_inbox::{MessageIdentity, MessageKey, Producer};
 
 #[tokio::test]
@@ -55,7 +55,19 @@ async fn every_operator_read_fails_cleanly_when_the_database_is_down() {
             .err()
             .map(|e| e.to_string()),
         quarantine
-            .open_for_effect("e1")
+            .latest_for_effect("e1")
+            .await
+            .err()
+            .map(|e| e.to_string()),
+        quarantine
+            .query(
+                &QuarantineQuery {
+                    state: QuarantineState::Decided,
+                    reason: None,
+                    consumer: None,
+                },
+                10,
+            )
             .await
             .err()
             .map(|e| e.to_string()),

@@ -757,6 +757,7 @@ async fn an_observed_purge_reports_each_batch_and_stops_when_asked() {
         .build()
         .unwrap();
     let mut seen = Vec::new();
+    // No pause: one call per batch.
     let report = purger
         .purge_observed(|table| {
             seen.push((table.table, table.rows, table.batches));

@@ -173,6 +173,29 @@ pub enum QuarantineFilter {
     All,
 }
 
+/// Which items [`Quarantine::query`] returns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuarantineQuery {
+    /// Open, decided, or all.
+    pub state: QuarantineState,
+    /// Only items with this reason code (`payload-mismatch`, `http-404`, ...) or source
+    /// (`identity-conflict`, ...).
+    pub reason: Option<String>,
+    /// Only items of this consumer.
+    pub consumer: Option<String>,
+}
+
+/// An item's state, for [`QuarantineQuery`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuarantineState {
+    /// No decision yet.
+    Open,
+    /// Repaired or discarded.
+    Decided,
+    /// Either.
+    All,
+}
+
 /// A decision on an item that cannot be taken.
 #[derive(Debug, thiserror::Error)]
 pub enum DecisionError {
@@ -252,19 +275,43 @@ impl Quarantine {
         rows.iter().map(item_from_row).collect()
     }
 
-    /// The open item about the dead effect `effect_id`, if it has one: what
-    /// [`repair`](Self::repair) sends back to the outbox.
-    pub async fn open_for_effect(
+    /// The newest item about the effect `effect_id`, open or decided: for a dead effect,
+    /// what [`repair`](Self::repair) sends back to the outbox, or who decided it before.
+    pub async fn latest_for_effect(
         &self,
         effect_id: &str,
     ) -> Result<Option<QuarantineItem>, QuarantineError> {
-        let sql = self.schema.sql(sql::OPEN_FOR_EFFECT);
+        let sql = self.schema.sql(sql::LATEST_FOR_EFFECT);
         let row = sqlx::query(&sql)
             .bind(effect_id)
             .fetch_optional(&self.pool)
             .await
             .map_err(QuarantineError::from)?;
         row.as_ref().map(item_from_row).transpose()
+    }
+
+    /// Up to `limit` items matching `query`, the filters applied before the limit: open
+    /// items oldest first, decided or all newest first.
+    pub async fn query(
+        &self,
+        query: &QuarantineQuery,
+        limit: i64,
+    ) -> Result<Vec<QuarantineItem>, QuarantineError> {
+        let sql = self.schema.sql(sql::LIST_MATCHING);
+        let state = match query.state {
+            QuarantineState::Open => "open",
+            QuarantineState::Decided => "decided",
+            QuarantineState::All => "all",
+        };
+        let rows = sqlx::query(&sql)
+            .bind(limit)
+            .bind(state)
+            .bind(query.reason.as_deref())
+            .bind(query.consumer.as_deref())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(QuarantineError::from)?;
+        rows.iter().map(item_from_row).collect()
     }
 
     /// Decides to repair: a dead effect goes back to pending with a fresh attempt budget

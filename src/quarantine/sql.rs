@@ -34,10 +34,19 @@ pub(super) const GET: &str = concat!(item!(), "where id = $1");
 /// The items about one message, bound as `bind_identity!` binds it.
 pub(super) const FOR_IDENTITY: &str = concat!(item!(), "where ", key_is!("q"), " order by id");
 
-/// The open item about the dead effect `$1`, if any (`inbox_quarantine_effect` index).
-pub(super) const OPEN_FOR_EFFECT: &str = concat!(
+/// The newest item about the effect `$1`, open or decided (`inbox_quarantine_effect`).
+pub(super) const LATEST_FOR_EFFECT: &str =
+    concat!(item!(), "where effect_id = $1 order by id desc limit 1");
+
+/// Items in state `$2` (`open`, `decided` or `all`), of reason code or source `$3` and
+/// consumer `$4` when not null; open ones oldest first, the others newest first; at most
+/// `$1`. For operators: the filters come before the limit.
+pub(super) const LIST_MATCHING: &str = concat!(
     item!(),
-    "where effect_id = $1 and decision is null order by id limit 1"
+    "where ($2 = 'all' or ($2 = 'open') = (decision is null)) \
+       and ($3::text is null or reason_code = $3 or source = $3) \
+       and ($4::text is null or consumer_name = $4) \
+     order by case when $2 = 'open' then id else -id end limit $1"
 );
 
 /// Decides item `$1` (`$2` the decision, `$3` who, `$4` why) unless it is decided already.

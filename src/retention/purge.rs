@@ -279,7 +279,8 @@ impl Purger {
     }
 
     /// As [`purge`](Self::purge), calling `observe` after each batch with the running
-    /// totals of the table being purged. [`ControlFlow::Break`] stops the purge there:
+    /// totals of the table being purged, and again after each pause between batches (with
+    /// the same totals). [`ControlFlow::Break`] stops the purge there, before another batch:
     /// every batch so far is committed, none is half done, and the report says it
     /// [stopped](PurgeReport::stopped). An operator's tool draws its progress and stops on
     /// Ctrl-C with it.
@@ -444,6 +445,12 @@ impl Purger {
                 }
                 if !self.pause.is_zero() {
                     tokio::time::sleep(self.pause).await;
+                    // Asked again after the pause: a stop that came during it is honoured
+                    // before another batch starts.
+                    if observe(&purged).is_break() {
+                        span.record("rows", purged.rows);
+                        return Ok((purged, true));
+                    }
                 }
             }
         }

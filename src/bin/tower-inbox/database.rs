@@ -16,6 +16,8 @@ pub enum Failure {
     Usage(String),
     /// Exit 3: the database cannot be reached or used.
     Database(String),
+    /// Exit 130, as for any program stopped by Ctrl-C: what it did is printed already.
+    Interrupted,
 }
 
 impl Failure {
@@ -24,6 +26,7 @@ impl Failure {
             Self::Refused(_) => 1,
             Self::Usage(_) => 2,
             Self::Database(_) => 3,
+            Self::Interrupted => 130,
         }
     }
 }
@@ -32,6 +35,7 @@ impl fmt::Display for Failure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Self::Refused(why) | Self::Usage(why) | Self::Database(why) => f.write_str(why),
+            Self::Interrupted => f.write_str("interrupted: the batches before it are committed"),
         }
     }
 }
@@ -62,7 +66,9 @@ impl Target {
     fn failure(&self, what: &str, err: impl fmt::Display) -> Failure {
         let mut message = format!("{what} {}: {err}", self.name);
         if let Some(password) = self.password.as_deref().filter(|p| !p.is_empty()) {
-            message = message.replace(password, "***");
+            for form in [password.to_owned(), url::percent_decoded(password)] {
+                message = message.replace(&form, "***");
+            }
         }
         Failure::Database(message)
     }
@@ -103,12 +109,41 @@ pub async fn connect(url: Option<&str>, origin: &str, schema: &str) -> Result<Da
 }
 
 mod url {
-    /// The password part of `scheme://user:password@host/...`, to keep it out of messages.
+    /// The password of `scheme://user:password@host/...` (the userinfo ends at the last
+    /// `@`) or of a `password=` parameter, as written and percent-decoded: every form that
+    /// could be echoed, to keep out of messages.
     pub fn password_of(url: &str) -> Option<String> {
         let rest = url.split_once("://")?.1;
-        let userinfo = rest.split_once('@')?.0;
-        let password = userinfo.split_once(':')?.1;
-        Some(password.to_owned())
+        let (before_query, query) = rest.split_once('?').unwrap_or((rest, ""));
+        let from_userinfo = before_query
+            .rsplit_once('@')
+            .and_then(|(userinfo, _)| userinfo.split_once(':'))
+            .map(|(_, password)| password);
+        let from_query = query
+            .split('&')
+            .find_map(|pair| pair.strip_prefix("password="));
+        from_userinfo.or(from_query).map(str::to_owned)
+    }
+
+    /// `%XX` sequences decoded; anything malformed left as it is.
+    pub fn percent_decoded(text: &str) -> String {
+        let bytes = text.as_bytes();
+        let mut out = Vec::with_capacity(bytes.len());
+        let mut i = 0;
+        while i < bytes.len() {
+            let hex = |b: u8| (b as char).to_digit(16);
+            match (bytes[i], bytes.get(i + 1), bytes.get(i + 2)) {
+                (b'%', Some(&h), Some(&l)) if hex(h).is_some() && hex(l).is_some() => {
+                    out.push((hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0)) as u8);
+                    i += 3;
+                }
+                (b, _, _) => {
+                    out.push(b);
+                    i += 1;
+                }
+            }
+        }
+        String::from_utf8_lossy(&out).into_owned()
     }
 
     #[cfg(test)]
@@ -117,8 +152,11 @@ mod url {
         fn the_password_is_found_to_be_hidden() {
             let p = super::password_of;
             assert_eq!(p("postgres://u:s3cret@h:5432/d").as_deref(), Some("s3cret"));
+            assert_eq!(p("postgres://u:a@b@h/d").as_deref(), Some("a@b"));
+            assert_eq!(p("postgres://u@h/d?password=pw&x=1").as_deref(), Some("pw"));
             assert_eq!(p("postgres://u@h/d"), None);
             assert_eq!(p("postgres://h/d"), None);
+            assert_eq!(super::percent_decoded("p%40ss%zz"), "p@ss%zz");
         }
     }
 }

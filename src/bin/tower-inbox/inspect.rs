@@ -55,7 +55,8 @@ struct KeyJson {
     effects: Vec<EffectJson>,
 }
 
-pub async fn run(db: &Database, args: Inspect) -> Result<(), Failure> {
+/// The identity the arguments name, or why they name none.
+fn identity(args: &Inspect) -> Result<MessageIdentity, Failure> {
     let mut producer = Producer::new(args.producer.as_str())
         .map_err(|e| Failure::Usage(format!("--producer: {e}")))?;
     if let Some(tenant) = &args.tenant {
@@ -65,7 +66,16 @@ pub async fn run(db: &Database, args: Inspect) -> Result<(), Failure> {
     }
     let key =
         MessageKey::new(args.key.as_str()).map_err(|e| Failure::Usage(format!("KEY: {e}")))?;
-    let identity = MessageIdentity::new(args.consumer.as_str(), producer, key);
+    Ok(MessageIdentity::new(args.consumer.as_str(), producer, key))
+}
+
+/// The usage errors `run` would find, without a database.
+pub fn check(args: &Inspect) -> Result<(), Failure> {
+    identity(args).map(|_| ())
+}
+
+pub async fn run(db: &Database, args: Inspect) -> Result<(), Failure> {
+    let identity = identity(&args)?;
     let failed = |e: &dyn std::fmt::Display| db.failure("reading the key from", e);
 
     let inbox = Inbox::new(db.pool.clone()).with_schema(db.schema.clone());

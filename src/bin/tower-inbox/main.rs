@@ -98,6 +98,14 @@ async fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli, origin: &'static str) -> Result<(), Failure> {
+    // Usage errors first: a wrong argument is exit 2 even when the database is down.
+    match &cli.command {
+        Command::Purge(args) => purge::check(args)?,
+        Command::Inspect(args) => inspect::check(args)?,
+        Command::Quarantine(command) => quarantine::check(command)?,
+        Command::Outbox(command) => outbox::check(command)?,
+        Command::Migrate { .. } | Command::Status { .. } => {}
+    }
     let db = database::connect(cli.database_url.as_deref(), origin, &cli.schema).await?;
     match cli.command {
         Command::Migrate { dry_run } => migrate::run(&db, dry_run).await,

@@ -78,6 +78,7 @@ pub struct EffectJson {
     pub delivered_at: Option<String>,
     pub consumer: Option<String>,
     pub producer: Option<String>,
+    pub tenant: Option<String>,
     pub message_id: Option<String>,
 }
 
@@ -108,8 +109,17 @@ impl From<&OutboxEntry> for EffectJson {
             delivered_at: e.delivered_at.map(rfc3339),
             consumer: e.message.as_ref().map(|m| m[0].clone()),
             producer: e.message.as_ref().map(|m| m[1].clone()),
+            tenant: e.message.as_ref().map(|m| m[2].clone()),
             message_id: e.message.as_ref().map(|m| m[3].clone()),
         }
+    }
+}
+
+/// The usage errors `run` would find, without a database.
+pub fn check(command: &Command) -> Result<(), Failure> {
+    match command {
+        Command::Retry { by, why, .. } => crate::quarantine::check_decision(by, why),
+        Command::List { .. } | Command::Show { .. } => Ok(()),
     }
 }
 
@@ -172,15 +182,13 @@ pub async fn run(db: &Database, command: Command) -> Result<(), Failure> {
             }
             let quarantine = Quarantine::new(db.pool.clone()).with_schema(db.schema.clone());
             let item = quarantine
-                .open_for_effect(&id)
+                .latest_for_effect(&id)
                 .await
                 .map_err(|e| db.failure("reading the quarantine from", e))?
                 .ok_or_else(|| {
-                    Failure::Refused(format!(
-                        "outbox effect {id} has no open quarantine item: it was decided before \
-                         (see `quarantine list --decided`)"
-                    ))
+                    Failure::Refused(format!("outbox effect {id} has no quarantine item"))
                 })?;
+            // A decided item is refused by `decide`, naming who decided it, when and why.
             decide(db, &quarantine, Decide::new(item.id, by, why), true).await?;
             render::line(format_args!(
                 "outbox effect {id} goes back to the dispatcher (quarantine item {})",

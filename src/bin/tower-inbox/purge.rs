@@ -134,8 +134,12 @@ pub fn duration(text: &str) -> Result<Duration, String> {
 }
 
 impl Scenarios {
+    /// Whether a scenario or a window is given: the safety margin alone is no policy (it
+    /// also serves the outbox and quarantine windows).
     fn any(&self) -> bool {
-        self.declared().iter().any(|(_, d)| d.is_some())
+        self.declared()
+            .iter()
+            .any(|(name, d)| *name != "safety_margin" && d.is_some())
     }
 
     fn declared(&self) -> [(&'static str, Option<Duration>); 9] {
@@ -255,6 +259,18 @@ fn policies(args: &Purge) -> Result<Policies, Failure> {
     ))
 }
 
+/// The usage errors `run` would find, without a database.
+pub fn check(args: &Purge) -> Result<(), Failure> {
+    match policies(args)? {
+        (None, None, None) => Err(Failure::Usage(
+            "nothing to purge: give the inbox's scenarios, --outbox-window, --quarantine-window \
+             or --policy"
+                .to_owned(),
+        )),
+        _ => Ok(()),
+    }
+}
+
 pub async fn run(db: &Database, args: Purge) -> Result<(), Failure> {
     let (inbox, outbox, quarantine) = policies(&args)?;
     let mut builder = Purger::builder(db.pool.clone()).schema(db.schema.clone());
@@ -343,7 +359,10 @@ pub async fn run(db: &Database, args: Purge) -> Result<(), Failure> {
         bar.finish_and_clear();
     }
     let report = report.map_err(|e| db.failure("purging", e))?;
-    render::line(report);
+    render::line(&report);
+    if report.stopped {
+        return Err(Failure::Interrupted);
+    }
     Ok(())
 }
 

@@ -2,7 +2,9 @@
 
 use clap::{Args, Subcommand};
 use serde::Serialize;
-use tower_inbox::quarantine::{DecisionError, Quarantine, QuarantineFilter, QuarantineItem};
+use tower_inbox::quarantine::{
+    DecisionError, Quarantine, QuarantineItem, QuarantineQuery, QuarantineState,
+};
 
 use crate::database::{Database, Failure};
 use crate::render::{self, ago, rfc3339, table};
@@ -123,6 +125,24 @@ impl From<&QuarantineItem> for ItemJson {
     }
 }
 
+/// Who and why must say something: they are the audit trail.
+pub fn check_decision(by: &str, why: &str) -> Result<(), Failure> {
+    if by.trim().is_empty() || why.trim().is_empty() {
+        return Err(Failure::Usage(
+            "--by and --why must not be empty".to_owned(),
+        ));
+    }
+    Ok(())
+}
+
+/// The usage errors `run` would find, without a database.
+pub fn check(command: &Command) -> Result<(), Failure> {
+    match command {
+        Command::Repair(d) | Command::Discard(d) => check_decision(&d.by, &d.why),
+        Command::List { .. } | Command::Show { .. } => Ok(()),
+    }
+}
+
 pub async fn run(db: &Database, command: Command) -> Result<(), Failure> {
     let quarantine = Quarantine::new(db.pool.clone()).with_schema(db.schema.clone());
     let failed = |e| db.failure("reading the quarantine from", e);
@@ -134,26 +154,19 @@ pub async fn run(db: &Database, command: Command) -> Result<(), Failure> {
             limit,
             json,
         } => {
-            let filter = if state.open || !(state.decided || state.all) {
-                QuarantineFilter::Open
-            } else {
-                QuarantineFilter::All
+            let query = QuarantineQuery {
+                state: if state.decided {
+                    QuarantineState::Decided
+                } else if state.all {
+                    QuarantineState::All
+                } else {
+                    QuarantineState::Open
+                },
+                reason,
+                consumer,
             };
-            let items = quarantine.list(filter, limit).await.map_err(failed)?;
-            let items: Vec<_> = items
-                .iter()
-                .filter(|i| !state.decided || i.decision.is_some())
-                .filter(|i| {
-                    reason
-                        .as_deref()
-                        .is_none_or(|r| i.reason_code == r || i.source.as_str() == r)
-                })
-                .filter(|i| {
-                    consumer
-                        .as_deref()
-                        .is_none_or(|c| i.consumer_name.as_deref() == Some(c))
-                })
-                .collect();
+            let items = quarantine.query(&query, limit).await.map_err(failed)?;
+            let items: Vec<&QuarantineItem> = items.iter().collect();
             if json {
                 let items: Vec<ItemJson> = items.into_iter().map(ItemJson::from).collect();
                 render::line(to_json(&items));
@@ -196,11 +209,7 @@ pub async fn decide(
     Decide { id, by, why }: Decide,
     repair: bool,
 ) -> Result<(), Failure> {
-    if by.trim().is_empty() || why.trim().is_empty() {
-        return Err(Failure::Usage(
-            "--by and --why must not be empty".to_owned(),
-        ));
-    }
+    check_decision(&by, &why)?;
     let outcome = if repair {
         quarantine.repair(id, &by, &why).await
     } else {

@@ -222,12 +222,18 @@ pub async fn run(db: &Database, json: bool, watch: Option<u64>) -> Result<(), Fa
     };
     let redraw = std::io::stdout().is_terminal() && !json;
     let mut ticks = tokio::time::interval(Duration::from_secs(every));
+    // One listener for the whole watch: Ctrl-C ends it during a read as well as between.
+    let interrupted = tokio::signal::ctrl_c();
+    tokio::pin!(interrupted);
     loop {
         tokio::select! {
             _ = ticks.tick() => {}
-            _ = tokio::signal::ctrl_c() => return Ok(()),
+            _ = &mut interrupted => return Ok(()),
         }
-        let status = read(db).await?;
+        let status = tokio::select! {
+            status = read(db) => status?,
+            _ = &mut interrupted => return Ok(()),
+        };
         if redraw {
             // Clear the screen and go home: the picture is redrawn in place.
             render::emit("\x1b[2J\x1b[H");
