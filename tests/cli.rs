@@ -114,9 +114,8 @@ async fn status_reports_what_the_library_and_the_tables_hold() {
     assert_eq!(credits["completed_last_hour"], 3);
     assert_eq!(credits["conflicts_last_hour"], 1);
     assert!(credits["oldest_row_seconds"].as_f64().unwrap() >= 0.0);
-    // Per consumer a claim in flight cannot be seen: the keys are there, null.
-    assert!(credits["in_progress"].is_null());
-    assert!(credits["oldest_in_progress_seconds"].is_null());
+    assert_eq!(credits["in_progress"], 0);
+    assert_eq!(credits["oldest_in_progress_seconds"], 0.0);
     assert_eq!(status["in_flight"]["claims"], 0);
 
     let count = |sql: &'static str| {
@@ -154,6 +153,54 @@ async fn status_reports_what_the_library_and_the_tables_hold() {
             "{expected:?} missing from:\n{human}"
         );
     }
+
+    // Two claims of `credits` in flight, uncommitted: invisible in its rows, seen per
+    // consumer through their locks, with the older one's age.
+    let inbox = Inbox::new(app.pool.clone());
+    let hold = |key: &'static str| {
+        let inbox = inbox.clone();
+        async move {
+            let identity = MessageIdentity::new(
+                "credits",
+                Producer::new("app").unwrap(),
+                MessageKey::new(key).unwrap(),
+            );
+            let fingerprint = tower_inbox::fingerprint::Fingerprint::of_bytes(key.as_bytes());
+            match inbox
+                .claim(identity, fingerprint, "1", Duration::ZERO)
+                .await
+                .unwrap()
+            {
+                tower_inbox::inbox::Claim::Claimed(claimed) => claimed,
+                other => panic!("{other:?}"),
+            }
+        }
+    };
+    let first = hold("held-1").await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let second = hold("held-2").await;
+    let held = json(cli(url, &["status", "--json"]));
+    let credits = held["consumers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["consumer"] == "credits")
+        .unwrap();
+    assert_eq!(credits["in_progress"], 2, "{held}");
+    assert!(
+        credits["oldest_in_progress_seconds"].as_f64().unwrap() >= 1.0,
+        "{held}"
+    );
+    assert_eq!(credits["rows"], 3, "the held claims are not rows yet");
+    assert_eq!(held["in_flight"]["claims"], 2);
+    let library = inbox.claims_in_flight(&["credits", "other"]).await.unwrap();
+    assert_eq!((library[0].claims, library[1].claims), (2, 0));
+    let text = ok(cli(url, &["status"]));
+    assert!(text.contains("2, oldest"), "{text}");
+    first.rollback().await.unwrap();
+    second.rollback().await.unwrap();
+    let after = json(cli(url, &["status", "--json"]));
+    assert_eq!(after["consumers"][0]["in_progress"], 0, "{after}");
 }
 
 #[tokio::test]

@@ -28,6 +28,11 @@ async fn every_operator_read_fails_cleanly_when_the_database_is_down() {
             .await
             .err()
             .map(|e| e.to_string()),
+        inbox
+            .claims_in_flight(&["ops"])
+            .await
+            .err()
+            .map(|e| e.to_string()),
         outbox
             .entry(&EffectId::new("e1"))
             .await

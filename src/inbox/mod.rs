@@ -70,7 +70,7 @@ pub(crate) use lock::ClaimLock;
 use lookup::{LookupFirst, TakenShare};
 pub use message::ClaimedMessage;
 pub(crate) use message::Finished;
-pub use report::{FailureRecord, KeyTimes};
+pub use report::{FailureRecord, InFlight, KeyTimes};
 pub(crate) use reruns::Reruns;
 pub use settings::{ClaimMode, IsolationLevel, DEFAULT_IN_FLIGHT_WAIT};
 pub(crate) use waiters::Settled;

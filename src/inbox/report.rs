@@ -5,6 +5,7 @@ use sqlx::postgres::PgRow;
 use sqlx::Row;
 use time::OffsetDateTime;
 
+use super::lock::consumer_class;
 use super::{sql, Inbox, InboxError};
 use crate::identity::{bind_identity, MessageIdentity};
 
@@ -35,7 +36,47 @@ pub struct FailureRecord {
     pub handler_version: String,
 }
 
+/// A consumer's claims in flight: made, not committed or rolled back yet.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InFlight {
+    /// The consumer.
+    pub consumer: String,
+    /// How many of its claims are in flight.
+    pub claims: i64,
+    /// How long the oldest one's transaction has been open (zero when none is).
+    pub oldest: std::time::Duration,
+}
+
 impl Inbox {
+    /// The claims in flight of each of `consumers`, from the advisory locks their
+    /// transactions hold (`pg_locks`): a claim's row is invisible until its commit, its
+    /// lock is not. Every claim takes one, in both claim modes (at commit, only for the
+    /// commit's last moments). The age is its transaction's (`pg_stat_activity`); another
+    /// role's transactions are counted, but show their start only to a member of
+    /// `pg_read_all_stats`. A consumer with none is reported with zero.
+    pub async fn claims_in_flight(&self, consumers: &[&str]) -> Result<Vec<InFlight>, InboxError> {
+        let rows: Vec<(i64, i64, f64)> = sqlx::query_as(sql::CLAIMS_IN_FLIGHT)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(InboxError::classify)?;
+        Ok(consumers
+            .iter()
+            .map(|&consumer| {
+                // pg_locks shows the int4 key as an unsigned oid.
+                let class = i64::from(consumer_class(&self.schema, consumer) as u32);
+                let (claims, oldest) = rows
+                    .iter()
+                    .find(|(c, _, _)| *c == class)
+                    .map_or((0, 0.0), |(_, n, age)| (*n, *age));
+                InFlight {
+                    consumer: consumer.to_owned(),
+                    claims,
+                    oldest: std::time::Duration::from_secs_f64(oldest.max(0.0)),
+                }
+            })
+            .collect())
+    }
+
     /// When `identity` was claimed and recorded; `None` when the inbox holds no committed
     /// row for it.
     pub async fn times(&self, identity: &MessageIdentity) -> Result<Option<KeyTimes>, InboxError> {

@@ -223,6 +223,19 @@ pub(crate) const EXPIRED: &str = "\
 select $1 < pg_catalog.now() - pg_catalog.make_interval(secs => $2) as expired, \
        pg_catalog.now() - pg_catalog.make_interval(secs => $2) as oldest_accepted";
 
+/// Claims in flight in this database, per first key of their advisory lock (the consumer,
+/// see `ClaimLock`): how many, and how long the oldest's transaction has been open. Reads
+/// PostgreSQL's in-memory lock and activity tables, not the inbox.
+pub(crate) const CLAIMS_IN_FLIGHT: &str = "\
+select l.classid::int8, pg_catalog.count(*)::int8, \
+       coalesce(extract(epoch from pg_catalog.max( \
+           pg_catalog.clock_timestamp() - a.xact_start)), 0)::float8 \
+from pg_catalog.pg_locks l \
+join pg_catalog.pg_stat_activity a on a.pid = l.pid \
+where l.locktype = 'advisory' and l.objsubid = 2 and l.granted \
+  and a.datname = pg_catalog.current_database() and l.database = a.datid \
+group by l.classid";
+
 /// When the key's row was claimed and recorded (`$1` to `$4`, bound by `bind_identity!`).
 pub(crate) const TIMES: &str = concat!(
     "select i.received_at, i.processed_at from tower_inbox.consumer_inbox i where ",

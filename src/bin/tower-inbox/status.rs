@@ -5,6 +5,7 @@ use std::io::IsTerminal;
 use std::time::Duration;
 
 use serde::Serialize;
+use tower_inbox::inbox::Inbox;
 use tower_inbox::metrics::StatsTask;
 
 use crate::database::{Database, Failure};
@@ -27,9 +28,9 @@ pub struct ConsumerStatus {
     pub oldest_row_seconds: f64,
     pub completed_last_hour: i64,
     pub conflicts_last_hour: i64,
-    /// Claims in flight are not visible per consumer (see `in_flight`): always null.
-    pub in_progress: Option<i64>,
-    pub oldest_in_progress_seconds: Option<f64>,
+    /// Claims in flight, from their advisory locks (their rows are not committed yet).
+    pub in_progress: i64,
+    pub oldest_in_progress_seconds: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -107,17 +108,24 @@ async fn read(db: &Database) -> Result<Status, Failure> {
     .await
     .map_err(failed)?;
 
+    let names: Vec<&str> = stats.inbox.iter().map(|c| c.consumer.as_str()).collect();
+    let in_flight = Inbox::new(db.pool.clone())
+        .with_schema(db.schema.clone())
+        .claims_in_flight(&names)
+        .await
+        .map_err(|e| db.failure("reading the claims in flight from", e))?;
     let consumers = stats
         .inbox
         .iter()
-        .map(|c| ConsumerStatus {
+        .zip(in_flight)
+        .map(|(c, flight)| ConsumerStatus {
             consumer: c.consumer.clone(),
             rows: c.rows,
             oldest_row_seconds: c.oldest_row_age.as_secs_f64(),
             completed_last_hour: completed.get(&c.consumer).copied().unwrap_or(0),
             conflicts_last_hour: conflicts.get(&c.consumer).copied().unwrap_or(0),
-            in_progress: None,
-            oldest_in_progress_seconds: None,
+            in_progress: flight.claims,
+            oldest_in_progress_seconds: flight.oldest.as_secs_f64(),
         })
         .collect();
     Ok(Status {
@@ -154,6 +162,10 @@ fn human(status: &Status) -> String {
                 seconds(c.oldest_row_seconds),
                 c.completed_last_hour.to_string(),
                 c.conflicts_last_hour.to_string(),
+                match c.in_progress {
+                    0 => "0".to_owned(),
+                    n => format!("{n}, oldest {}", seconds(c.oldest_in_progress_seconds)),
+                },
             ]
         })
         .collect::<Vec<_>>();
@@ -170,6 +182,7 @@ fn human(status: &Status) -> String {
                 "oldest row",
                 "completed (1h)",
                 "conflicts (1h)",
+                "in progress",
             ],
             rows,
         ));
