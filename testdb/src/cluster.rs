@@ -13,7 +13,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::process::Child;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::database::TestDatabase;
@@ -23,6 +23,8 @@ use crate::postgres::{
     effective_uid, remove_dir_if_exists, ClusterDirs, Launch, Postgres, StopMode,
 };
 use crate::server::{Server, ServerKind};
+
+mod crash;
 
 /// Start of the name of every cluster directory; the owner's pid follows.
 const DIR_PREFIX: &str = "tower-inbox-cluster-";
@@ -255,7 +257,8 @@ impl ClusterBuilder {
         let mut instance = Instance {
             pg,
             dirs: ClusterDirs::in_dir(base),
-            server: None,
+            server: Mutex::new(None),
+            launch: None,
         };
         let dirs = &instance.dirs;
         instance.pg.open_to_server(&dirs.base)?;
@@ -268,7 +271,8 @@ impl ClusterBuilder {
             detach: false,
         };
         let (port, server) = instance.pg.start(dirs, &launch)?;
-        instance.server = Some(server);
+        *instance.server.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(server);
+        instance.launch = Some((launch, port));
         if self.clock_offset_seconds.is_some() {
             check_preloaded(&instance.dirs.log_file)?;
         }
@@ -291,8 +295,12 @@ impl ClusterBuilder {
 pub(crate) struct Instance {
     pg: Postgres,
     dirs: ClusterDirs,
-    /// `postgres`, or the `runuser` or `su` that runs it.
-    server: Option<Child>,
+    /// `postgres`, or the `runuser` or `su` that runs it; `None` once stopped
+    /// ([`Cluster::crash`]).
+    server: Mutex<Option<Child>>,
+    /// How the server was started and on which port, to start it again the
+    /// same way ([`Cluster::start_again`]).
+    launch: Option<(Launch, u16)>,
 }
 
 impl Instance {
@@ -329,7 +337,8 @@ impl Instance {
 
 impl Drop for Instance {
     fn drop(&mut self) {
-        if let Some(mut server) = self.server.take() {
+        let server = self.server.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(mut server) = server.take() {
             self.stop(&mut server);
         }
         if let Err(err) = remove_dir_if_exists(&self.dirs.base) {
@@ -540,7 +549,12 @@ mod tests {
         let port = cluster.port();
         let Cluster { instance, .. } = cluster;
         let mut instance = Arc::into_inner(instance).expect("sole owner");
-        let mut server = instance.server.take().expect("server process");
+        let mut server = instance
+            .server
+            .get_mut()
+            .unwrap()
+            .take()
+            .expect("server process");
         // Above any pid_max Linux allows (2^22), so never a live process.
         let orphan =
             std::env::temp_dir().join(format!("{DIR_PREFIX}999999999_{}_0", std::process::id()));

@@ -182,13 +182,7 @@ impl Postgres {
     /// the started process (`postgres`, or the `runuser` or `su` that runs
     /// it). Its output is appended to the cluster's log file.
     pub(crate) fn start(&self, dirs: &ClusterDirs, launch: &Launch) -> Result<(u16, Child), Error> {
-        let env_program = if launch.env.is_empty() {
-            None
-        } else {
-            Some(find_on_path("env").ok_or_else(|| {
-                Error::msg("cannot find `env` on PATH to set the server's environment")
-            })?)
-        };
+        let env_program = env_program(launch)?;
         let mut attempt = 1;
         loop {
             let port = free_port()?;
@@ -204,6 +198,26 @@ impl Postgres {
                 }
                 Err(StartError::Other(err)) => return Err(err),
             }
+        }
+    }
+
+    /// Starts the server of an initialised cluster again on `port`, the one
+    /// it had, so that clients find it where it was; waits until it accepts
+    /// sessions.
+    pub(crate) fn start_again(
+        &self,
+        dirs: &ClusterDirs,
+        launch: &Launch,
+        port: u16,
+    ) -> Result<Child, Error> {
+        let env_program = env_program(launch)?;
+        match self.start_on(dirs, launch, env_program.as_deref(), port) {
+            Ok(child) => Ok(child),
+            Err(StartError::PortTaken) => Err(Error::msg(format!(
+                "PostgreSQL could not bind 127.0.0.1:{port} again: another process took it; log {}",
+                dirs.log_file.display()
+            ))),
+            Err(StartError::Other(err)) => Err(err),
         }
     }
 
@@ -346,6 +360,16 @@ impl Postgres {
             )))
         }
     }
+}
+
+/// `env`, when the server needs environment variables of its own.
+fn env_program(launch: &Launch) -> Result<Option<PathBuf>, Error> {
+    if launch.env.is_empty() {
+        return Ok(None);
+    }
+    find_on_path("env")
+        .map(Some)
+        .ok_or_else(|| Error::msg("cannot find `env` on PATH to set the server's environment"))
 }
 
 enum StartError {

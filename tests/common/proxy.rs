@@ -1,9 +1,9 @@
 //! A TCP proxy between a client and its server (the pool and PostgreSQL, a consumer and its
-//! broker) that can cut a connection at a chosen message, or every open connection at once:
-//! the network failing in the middle of the protocol, on purpose.
+//! broker) that can cut a connection at a chosen message, or every open connection at once,
+//! and delay every message: the network failing in the middle of the protocol, on purpose.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -35,6 +35,8 @@ pub struct Proxy {
     /// Bumped by [`cut_all`](Proxy::cut_all): every relay open at the time ends.
     generation: watch::Sender<u64>,
     accepted: Arc<AtomicUsize>,
+    /// Microseconds every chunk waits before it is passed on, either way.
+    latency: Arc<AtomicU64>,
 }
 
 impl Proxy {
@@ -45,11 +47,13 @@ impl Proxy {
         let cuts = Arc::new(Notify::new());
         let (generation, _) = watch::channel(0u64);
         let accepted = Arc::new(AtomicUsize::new(0));
-        let (a, c, g, n) = (
+        let latency = Arc::new(AtomicU64::new(0));
+        let (a, c, g, n, l) = (
             armed.clone(),
             cuts.clone(),
             generation.clone(),
             accepted.clone(),
+            latency.clone(),
         );
         tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
@@ -58,7 +62,7 @@ impl Proxy {
                 };
                 n.fetch_add(1, Ordering::SeqCst);
                 let mut killed = g.subscribe();
-                let relay = relay(client, server, a.clone(), c.clone());
+                let relay = relay(client, server, a.clone(), c.clone(), l.clone());
                 tokio::spawn(async move {
                     tokio::select! {
                         () = relay => {}
@@ -73,7 +77,15 @@ impl Proxy {
             cuts,
             generation,
             accepted,
+            latency,
         }
+    }
+
+    /// Delays every chunk of data by `latency` before passing it on, both ways, on every
+    /// connection from now on; `Duration::ZERO` stops delaying.
+    pub fn set_latency(&self, latency: std::time::Duration) {
+        let micros = u64::try_from(latency.as_micros()).unwrap_or(u64::MAX);
+        self.latency.store(micros, Ordering::SeqCst);
     }
 
     /// Ends every connection open now, both ways, as a broken network or a restarted peer
@@ -131,7 +143,14 @@ async fn relay(
     mut server: TcpStream,
     armed: Arc<Mutex<Option<Armed>>>,
     cuts: Arc<Notify>,
+    latency: Arc<AtomicU64>,
 ) {
+    let delay = || async {
+        let micros = latency.load(Ordering::SeqCst);
+        if micros > 0 {
+            tokio::time::sleep(std::time::Duration::from_micros(micros)).await;
+        }
+    };
     let (mut client_read, mut client_write) = client.split();
     let (mut server_read, mut server_write) = server.split();
     // Set once this connection is to be cut: `Before` ends it at once; `After` ends it when
@@ -156,6 +175,7 @@ async fn relay(
             if cut.is_some() {
                 *cutting.lock().unwrap() = cut;
             }
+            delay().await;
             if cut == Some(Cut::Before) || server_write.write_all(chunk).await.is_err() {
                 return;
             }
@@ -171,6 +191,7 @@ async fn relay(
             if *cutting.lock().unwrap() == Some(Cut::After) {
                 return;
             }
+            delay().await;
             if client_write.write_all(&buf[..n]).await.is_err() {
                 return;
             }
