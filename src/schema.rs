@@ -163,14 +163,19 @@ impl Deref for Sql {
 /// The migrations run on a connection of their own (with the pool's connect options and
 /// `search_path` set to the schema), never on a pooled one, so no setting outlives them.
 /// Several processes may run this at once: they take turns.
+///
+/// The schema is set with `SET search_path` once connected, not with the `options` startup
+/// parameter, which PgBouncer refuses. Through PgBouncer, run migrations in session pooling
+/// mode (or on a direct connection): they hold a session-level advisory lock, which
+/// transaction pooling does not keep.
 pub async fn migrate_schema(pool: &PgPool, schema: &Schema) -> Result<(), MigrateError> {
-    let options = pool
-        .connect_options()
-        .as_ref()
-        .clone()
-        .options([("search_path", format!("\"{}\"", schema.name()))]);
-    let mut conn = PgConnection::connect_with(&options).await?;
-    let result = run_migrations(&mut conn, schema).await;
+    let mut conn = PgConnection::connect_with(pool.connect_options().as_ref()).await?;
+    // The name is validated: lowercase letters, digits and '_' only.
+    let set = format!("set search_path to \"{}\"", schema.name());
+    let result = match conn.execute(set.as_str()).await {
+        Ok(_) => run_migrations(&mut conn, schema).await,
+        Err(err) => Err(err.into()),
+    };
     // Closing also releases the advisory lock, whatever happened.
     let _ = conn.close().await;
     result

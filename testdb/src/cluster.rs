@@ -1,6 +1,10 @@
 //! A private PostgreSQL cluster for one test: its own data directory, port
 //! and server log, gone when the test drops it.
 //!
+//! (Over 400 lines: the cluster, its builder and the removal of clusters
+//! left behind share the directory layout; a sixth is their tests. Crashes
+//! and standbys are in the submodules.)
+//!
 //! Each cluster lives in `<temp dir>/tower-inbox-cluster-<pid>_<n>_<suffix>/`
 //! (`data/`, `sock/`, `server.log`, `initdb.log`), named after the process
 //! that owns it. A process that was killed cannot stop its clusters, so each
@@ -25,6 +29,7 @@ use crate::postgres::{
 use crate::server::{Server, ServerKind};
 
 mod crash;
+mod standby;
 
 /// Start of the name of every cluster directory; the owner's pid follows.
 const DIR_PREFIX: &str = "tower-inbox-cluster-";
@@ -247,21 +252,10 @@ impl ClusterBuilder {
         let pg = Postgres::find(uid)?;
         remove_stale_clusters(&pg, uid);
 
-        let base = new_cluster_dir();
-        fs::DirBuilder::new()
-            .mode(0o755)
-            .create(&base)
-            .context(|| format!("cannot create {}", base.display()))?;
         // From here on, dropping `instance` (also on an error) removes the
         // directory and stops what was started in it.
-        let mut instance = Instance {
-            pg,
-            dirs: ClusterDirs::in_dir(base),
-            server: Mutex::new(None),
-            launch: None,
-        };
+        let mut instance = Instance::create(pg)?;
         let dirs = &instance.dirs;
-        instance.pg.open_to_server(&dirs.base)?;
         instance.pg.init(dirs, &dirs.base.join("initdb.log"))?;
         let launch = Launch {
             settings,
@@ -304,6 +298,24 @@ pub(crate) struct Instance {
 }
 
 impl Instance {
+    /// A new, empty cluster directory that the server user can enter, and
+    /// nothing started in it yet.
+    fn create(pg: Postgres) -> Result<Self, Error> {
+        let base = new_cluster_dir();
+        fs::DirBuilder::new()
+            .mode(0o755)
+            .create(&base)
+            .context(|| format!("cannot create {}", base.display()))?;
+        let instance = Instance {
+            pg,
+            dirs: ClusterDirs::in_dir(base),
+            server: Mutex::new(None),
+            launch: None,
+        };
+        instance.pg.open_to_server(&instance.dirs.base)?;
+        Ok(instance)
+    }
+
     fn stop(&self, server: &mut Child) {
         // Only a server that still runs: the `postmaster.pid` of one that
         // died may name a recycled pid, which `pg_ctl` would signal.

@@ -7,7 +7,10 @@
 //!   persists between runs.
 //! - [`server()`] tells which server is used and how it was found.
 //! - [`Cluster`] starts a private server for a test that needs one: to read
-//!   its log, to give it settings, or to set its clock off.
+//!   its log, to give it settings, or to set its clock off; to crash it and
+//!   start it again, or to fail it over to a standby.
+//! - [`PgBouncer`] puts a pooler in front of a server, and points it at
+//!   another on a failover.
 //!
 //! The server is chosen once per process: `DATABASE_URL` if set, else a
 //! server listening on `127.0.0.1:5432`, else a throwaway cluster started
@@ -34,6 +37,7 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod bouncer;
 mod cluster;
 mod database;
 mod error;
@@ -42,6 +46,7 @@ mod postgres;
 mod server;
 mod throwaway;
 
+pub use bouncer::{PgBouncer, PoolMode};
 pub use cluster::{Cluster, ClusterBuilder, LogMark};
 pub use database::{app_database_url, TestDatabase};
 pub use error::Error;

@@ -2,6 +2,10 @@
 //! user PostgreSQL accepts, creating a cluster, starting and stopping its
 //! server.
 //!
+//! (Over 400 lines: finding the programs, running them as the server user,
+//! `initdb`, start and stop share one error style and one notion of the
+//! server user; a sixth is their tests.)
+//!
 //! Shared by the cluster that all test processes of a run use (`throwaway`)
 //! and the private clusters of single tests ([`Cluster`](crate::Cluster)).
 
@@ -58,6 +62,7 @@ impl ClusterDirs {
 }
 
 /// How a server is started, beyond its directories and port.
+#[derive(Clone)]
 pub(crate) struct Launch {
     /// `name=value` settings passed as `-c`, after the common ones and in
     /// this order, so that a later one wins.
@@ -372,6 +377,56 @@ fn env_program(launch: &Launch) -> Result<Option<PathBuf>, Error> {
         .ok_or_else(|| Error::msg("cannot find `env` on PATH to set the server's environment"))
 }
 
+impl Postgres {
+    /// A command that runs `program` with `args` as the user the server runs
+    /// as (PgBouncer refuses root too).
+    pub(crate) fn server_user_command(&self, program: &Path, args: &[&OsStr]) -> Command {
+        self.run_as.command(program, args)
+    }
+
+    /// Hands `dir` to the server user.
+    pub(crate) fn give_to_server(&self, dir: &Path) -> Result<(), Error> {
+        self.run_as.give(dir)
+    }
+
+    /// Runs the installation's program `name` (`pg_basebackup`, `pg_ctl`)
+    /// with `args` as the server user, in `dir`, and waits for it; a failure
+    /// quotes its output.
+    pub(crate) fn run_tool(&self, name: &str, args: &[&OsStr], dir: &Path) -> Result<(), Error> {
+        // Beside pg_ctl or postgres, or beside what a symlink to them on PATH points to.
+        let program = [&self.bins.pg_ctl, &self.bins.postgres]
+            .into_iter()
+            .flat_map(|bin| [Some(bin.clone()), fs::canonicalize(bin).ok()])
+            .flatten()
+            .map(|bin| bin.with_file_name(name))
+            .find(|path| is_executable(path))
+            .ok_or_else(|| {
+                Error::msg(format!(
+                    "cannot find {name} beside {}",
+                    self.bins.pg_ctl.display()
+                ))
+            })?;
+        let output = self
+            .run_as
+            .command(&program, args)
+            .current_dir(dir)
+            .stdin(Stdio::null())
+            .output()
+            .context(|| format!("cannot run {}", program.display()))?;
+        if output.status.success() {
+            return Ok(());
+        }
+        Err(Error::msg(format!(
+            "{} failed ({}){}: {}{}",
+            program.display(),
+            output.status,
+            self.run_as.describe(),
+            String::from_utf8_lossy(&output.stderr).trim(),
+            String::from_utf8_lossy(&output.stdout).trim(),
+        )))
+    }
+}
+
 enum StartError {
     PortTaken,
     Other(Error),
@@ -452,7 +507,7 @@ pub(crate) fn accepts_sessions(port: u16, timeout: Duration) -> bool {
     ready
 }
 
-fn free_port() -> Result<u16, Error> {
+pub(crate) fn free_port() -> Result<u16, Error> {
     let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .context(|| "cannot bind 127.0.0.1:0 to find a free port")?;
     let port = listener

@@ -11,6 +11,7 @@
 //! | [`backends`] | the service's database sessions, ended with `pg_terminate_backend`, some during `COMMIT` |
 //! | [`database_crash`] | PostgreSQL itself (`pg_ctl stop -m immediate`), started again under load |
 //! | [`network`] | the network between service and database: latency, every connection cut, the answer to `COMMIT` dropped |
+//! | [`failover`] | the primary, SIGKILLed; its synchronous standby promoted and PgBouncer (the service's one address) pointed at it |
 //! | [`instances`] | three instances on one database behind round-robin clients, each with its dispatcher: instances SIGKILLed, sessions ended |
 //!
 //! Each test prints what it did (kills, terminations, commands, attempts, retries), so a
@@ -24,6 +25,7 @@ mod backends;
 mod checker;
 mod clients;
 mod database_crash;
+mod failover;
 mod instances;
 mod kill_loop;
 mod network;

@@ -1,6 +1,7 @@
 //! Crashing a private cluster's server and starting it again: the database
 //! failing under a running service, for fault tests.
 
+use std::process::Child;
 use std::time::{Duration, Instant};
 
 use super::{Cluster, EXIT_TIMEOUT};
@@ -45,15 +46,42 @@ impl Cluster {
                 return Err(err);
             }
         }
-        let deadline = Instant::now() + EXIT_TIMEOUT;
-        while matches!(child.try_wait(), Ok(None)) {
-            if Instant::now() >= deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                break;
+        wait_for_exit(&mut child);
+        Ok(())
+    }
+
+    /// Kills the server's postmaster with SIGKILL, as the kernel's OOM
+    /// killer or a lost machine would end it: no process of the server gets
+    /// to do anything more than notice, and its sessions go when its other
+    /// processes do. Waits until the postmaster has exited. Unlike
+    /// [`crash`](Self::crash), the server is not meant to start again here:
+    /// for a failover test (see [`standby`](Self::standby)).
+    ///
+    /// Blocks the current thread; a server already stopped is left as it is.
+    pub fn kill(&self) -> Result<(), Error> {
+        let instance = &self.instance;
+        let mut server = instance.server.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(mut child) = server.take() else {
+            return Ok(());
+        };
+        let pid_file = instance.dirs.data.join("postmaster.pid");
+        // Only a server that still runs, and only the pid of one that works in its own data
+        // directory: never a recycled pid.
+        if matches!(child.try_wait(), Ok(None)) && super::server_runs_in(&instance.dirs.data) {
+            let pid = std::fs::read_to_string(&pid_file)
+                .ok()
+                .and_then(|text| text.lines().next().map(|l| l.trim().to_owned()))
+                .ok_or_else(|| Error::msg(format!("cannot read {}", pid_file.display())))?;
+            let status = std::process::Command::new("kill")
+                .args(["-KILL", &pid])
+                .status()
+                .map_err(|e| Error::with_source("cannot run kill", e))?;
+            if !status.success() {
+                *server = Some(child);
+                return Err(Error::msg(format!("`kill -KILL {pid}` failed ({status})")));
             }
-            std::thread::sleep(Duration::from_millis(20));
         }
+        wait_for_exit(&mut child);
         Ok(())
     }
 
@@ -77,6 +105,20 @@ impl Cluster {
         *server = Some(instance.pg.start_again(&instance.dirs, launch, *port)?);
         Ok(())
     }
+}
+
+/// Waits until the server's process (or its runner) has exited, up to
+/// [`EXIT_TIMEOUT`], then kills it.
+fn wait_for_exit(child: &mut Child) {
+    let deadline = Instant::now() + EXIT_TIMEOUT;
+    while matches!(child.try_wait(), Ok(None)) {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.wait();
 }
 
 #[cfg(test)]
