@@ -55,6 +55,8 @@
 //! * `amqp`: RabbitMQ with lapin: `consumer::amqp`, which runs the consumer on deliveries and
 //!   acknowledges, requeues or rejects them once the outcome is durable, and
 //!   `outbox::AmqpTransport`, which publishes effects with publisher confirms.
+//! * `fuzzing`: the property checks for the fuzz targets in `fuzz/` and their corpus test;
+//!   not a stable API.
 //!
 //! With `default-features = false` the crate pulls neither axum nor reqwest.
 //!
@@ -104,6 +106,9 @@ pub mod consumer;
 mod db;
 mod extract;
 pub mod fingerprint;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod identity;
 pub mod inbox;
 mod key;
