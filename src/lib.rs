@@ -55,6 +55,9 @@
 //! * `amqp`: RabbitMQ with lapin: `consumer::amqp`, which runs the consumer on deliveries and
 //!   acknowledges, requeues or rejects them once the outcome is durable, and
 //!   `outbox::AmqpTransport`, which publishes effects with publisher confirms.
+//! * `client`: `tower_inbox::client`, the client side: a Tower layer for HTTP clients that
+//!   gives each command one `Idempotency-Key`, sends the same key and body on every attempt,
+//!   and retries only what is safe to retry, within a budget.
 //! * `fuzzing`: the property checks for the fuzz targets in `fuzz/` and their corpus test;
 //!   not a stable API.
 //!
@@ -102,6 +105,8 @@
 #![warn(missing_docs)]
 
 pub mod body;
+#[cfg(feature = "client")]
+pub mod client;
 pub mod consumer;
 mod db;
 mod extract;

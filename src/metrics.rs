@@ -92,6 +92,14 @@ pub const QUARANTINE_OPEN: &str = "quarantine_open";
 /// Decided quarantine items deleted by the retention purge.
 pub const QUARANTINE_PURGED: &str = "quarantine_purged_rows_total";
 
+/// Attempts the client layer (`tower_inbox::client`, feature `client`) sent: first
+/// attempts and retries.
+pub const CLIENT_ATTEMPTS: &str = "inbox_client_attempts_total";
+/// Attempts the client layer retried, by reason.
+pub const CLIENT_RETRIES: &str = "inbox_client_retries_total";
+/// Commands the client layer gave up on, by reason.
+pub const CLIENT_GIVE_UPS: &str = "inbox_client_give_ups_total";
+
 /// What kind of metric a name is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MetricKind {
@@ -335,6 +343,27 @@ pub const METRICS: &[MetricInfo] = &[
         &[],
         Unit::Count,
         "decided quarantine items deleted by the retention purge",
+    ),
+    info(
+        CLIENT_ATTEMPTS,
+        Counter,
+        &[],
+        Unit::Count,
+        "attempts the client layer sent, first attempts and retries (feature client)",
+    ),
+    info(
+        CLIENT_RETRIES,
+        Counter,
+        &["reason"],
+        Unit::Count,
+        "attempts the client layer retried: reason=transport, timeout, status-<code> or a problem type",
+    ),
+    info(
+        CLIENT_GIVE_UPS,
+        Counter,
+        &["reason"],
+        Unit::Count,
+        "commands the client layer gave up on: reason=attempts, deadline, not-replayable or body-unreadable",
     ),
 ];
 

@@ -158,7 +158,10 @@ impl PurgerBuilder {
     }
 
     /// Purge `consumer_inbox` (processed rows received and processed before the window) and
-    /// `consumer_inbox_failure` (last failure before the window).
+    /// `consumer_inbox_failure` (last failure before the window). Both keep what an open
+    /// quarantine item refers to; a failure record also stays while its command's failure
+    /// item is decided `repair` and not recovered, since the retry that commits finds the
+    /// item through it.
     pub fn inbox(mut self, policy: RetentionPolicy) -> Self {
         self.inbox = Some(policy.window());
         self

@@ -45,13 +45,32 @@ macro_rules! inbox_expired {
     };
 }
 
+/// The failing command of failure record `i` has no item decided `repair` and not yet
+/// recovered. Its recovery is the commit of a retry, which sends it only when its claim finds
+/// the failure record: deleting the record would leave the item awaiting a recovery that can
+/// never come (and kept by the quarantine purge for ever). The item is found by its key, as
+/// `quarantine::identity_item_key` writes it, through `inbox_quarantine_unrecovered`.
+macro_rules! no_repair_awaiting_recovery {
+    () => {
+        "not exists ( \
+             select 1 from tower_inbox.inbox_quarantine q \
+             where q.item_key = 'handler-failure:' || i.consumer_name \
+                   || pg_catalog.chr(31) || i.producer_name || pg_catalog.chr(31) \
+                   || i.tenant_id || pg_catalog.chr(31) || i.message_id \
+               and q.recovered_at is null and q.decision = 'repair')"
+    };
+}
+
 /// Failure records whose last failure is past the cutoff, unless an open quarantine item
-/// refers to the same command.
+/// refers to the same command, or its failure item was repaired and awaits the retry that
+/// recovers it.
 macro_rules! failures_expired {
     () => {
         concat!(
             "from tower_inbox.consumer_inbox_failure i where i.last_failed_at < $1 and ",
-            no_open_item!()
+            no_open_item!(),
+            " and ",
+            no_repair_awaiting_recovery!()
         )
     };
 }
@@ -175,5 +194,24 @@ mod tests {
             crate::identity::RESERVED_PRODUCER_PREFIX
         );
         assert!(INBOX_COUNT.contains(&kept) && INBOX_DELETE.contains(&kept));
+    }
+
+    #[test]
+    fn failure_records_awaiting_recovery_are_found_by_their_item_key() {
+        use crate::quarantine::{identity_item_key, QuarantineSource};
+        use crate::{MessageIdentity, MessageKey, Producer};
+        // The purge writes the failure item's key in SQL from the record's columns: it must
+        // be the key the inbox gives the item.
+        let identity = MessageIdentity::new(
+            "c",
+            Producer::new("p").unwrap(),
+            MessageKey::new("m").unwrap(),
+        );
+        let key = identity_item_key(QuarantineSource::HandlerFailure, &identity, "");
+        assert_eq!(key, "handler-failure:c\u{1f}p\u{1f}\u{1f}m");
+        let in_sql = "q.item_key = 'handler-failure:' || i.consumer_name || pg_catalog.chr(31) \
+                      || i.producer_name || pg_catalog.chr(31) || i.tenant_id \
+                      || pg_catalog.chr(31) || i.message_id";
+        assert!(FAILURES_COUNT.contains(in_sql) && FAILURES_DELETE.contains(in_sql));
     }
 }
