@@ -264,13 +264,17 @@ impl ClusterBuilder {
             // stops it too.
             detach: false,
         };
-        let (port, server) = instance.pg.start(dirs, &launch)?;
-        *instance.server.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(server);
-        instance.launch = Some((launch, port));
+        let port = instance.start_server(launch)?;
         if self.clock_offset_seconds.is_some() {
             check_preloaded(&instance.dirs.log_file)?;
         }
+        Cluster::of(instance, port)
+    }
+}
 
+impl Cluster {
+    /// The cluster whose server `instance` started on `port`.
+    fn of(instance: Instance, port: u16) -> Result<Cluster, Error> {
         let server = Server::new(
             ServerKind::Cluster,
             format!("postgres://postgres@127.0.0.1:{port}/postgres"),
@@ -314,6 +318,15 @@ impl Instance {
         };
         instance.pg.open_to_server(&instance.dirs.base)?;
         Ok(instance)
+    }
+
+    /// Starts the server of the initialised data directory on a free port
+    /// and keeps how, to start it again ([`Cluster::start_again`]).
+    fn start_server(&mut self, launch: Launch) -> Result<u16, Error> {
+        let (port, server) = self.pg.start(&self.dirs, &launch)?;
+        *self.server.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(server);
+        self.launch = Some((launch, port));
+        Ok(port)
     }
 
     fn stop(&self, server: &mut Child) {

@@ -3,14 +3,12 @@
 
 use std::fs;
 use std::os::unix::fs::DirBuilderExt;
-use std::sync::Arc;
 
 use sqlx::{Connection, PgConnection};
 
 use super::{Cluster, Instance};
 use crate::error::{Context, Error};
 use crate::postgres::Postgres;
-use crate::server::{Server, ServerKind};
 
 impl Cluster {
     /// Creates a streaming standby of this cluster and starts it on a port of
@@ -64,19 +62,8 @@ impl Cluster {
             ],
             &dirs.base,
         )?;
-        let launch = launch.clone();
-        let (port, server) = instance.pg.start(dirs, &launch)?;
-        *instance.server.get_mut().unwrap_or_else(|e| e.into_inner()) = Some(server);
-        instance.launch = Some((launch, port));
-        let server = Server::new(
-            ServerKind::Cluster,
-            format!("postgres://postgres@127.0.0.1:{port}/postgres"),
-        )?;
-        Ok(Cluster {
-            server,
-            port,
-            instance: Arc::new(instance),
-        })
+        let port = instance.start_server(launch.clone())?;
+        Cluster::of(instance, port)
     }
 
     /// Makes every commit on this (the primary) cluster wait until a standby
