@@ -1,6 +1,6 @@
 //! Attempts that did not commit: counted per key, and quarantined past the limit.
 
-use super::{sql, Inbox, InboxError};
+use super::{sql, ClaimLock, Inbox, InboxError};
 use crate::fingerprint::Fingerprint;
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::metrics::{self as m, quarantine_moved};
@@ -10,6 +10,13 @@ impl Inbox {
     /// Counts an attempt at `identity` that rolled back, with a stable reason code, in a
     /// transaction of its own. From the `quarantine_after`th failure on, the command also has
     /// an open [quarantine](crate::quarantine) item; its id is returned.
+    ///
+    /// Call it after the attempt's transaction has ended: while it is open, it holds the
+    /// key's claim lock. If another attempt at the command has claimed it since (it holds
+    /// the claim, or has committed), the failure is counted and an item already open counts
+    /// it too, but no item is opened: that attempt did not see this failure, so its success
+    /// could not mark a new item recovered, and if it fails too, its own record opens the
+    /// item with both failures counted.
     ///
     /// `reason` is also the `reason` label of
     /// [`inbox_handler_failures_total`](crate::metrics::HANDLER_FAILURES): use a code from a
@@ -30,6 +37,18 @@ impl Inbox {
             reason,
         );
         let item_key = identity_item_key(QuarantineSource::HandlerFailure, identity, "");
+        let lock = ClaimLock::of(&self.schema, identity);
+        let failed = |e| self.failed(identity.consumer(), e);
+        let mut tx = self.pool.begin().await.map_err(failed)?;
+        // Two statements, so that the record's snapshot sees every commit made before the
+        // lock was granted: a retry that claimed the key after this attempt rolled back holds
+        // the lock until it ends, and once it has committed, it has committed visibly.
+        let holds_lock: bool = sqlx::query_scalar(sql::TRY_CLAIM_LOCK)
+            .bind(lock.0)
+            .bind(lock.1)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(failed)?;
         let sql = self.schema.sql(sql::RECORD_FAILURE);
         let item: Option<(i64, bool)> = bind_identity!(sqlx::query_as(&sql), identity)
             .bind(fingerprint.to_hex())
@@ -37,9 +56,11 @@ impl Inbox {
             .bind(reason.as_bytes())
             .bind(i32::try_from(quarantine_after.max(1)).unwrap_or(i32::MAX))
             .bind(item_key.as_bytes())
-            .fetch_optional(&self.pool)
+            .bind(holds_lock)
+            .fetch_optional(&mut *tx)
             .await
-            .map_err(|e| self.failed(identity.consumer(), e))?;
+            .map_err(failed)?;
+        tx.commit().await.map_err(failed)?;
         if let Some((_, true)) = item {
             quarantine_moved(QuarantineSource::HandlerFailure);
         }

@@ -155,6 +155,16 @@ pub(crate) const LOOKUP_OR_BUSY: &str = concat!(
 /// command also has an open quarantine item (key `$9`) carrying the same count. Returns the
 /// item and whether this statement opened it (`xmax = 0` marks a row inserted, not updated).
 /// `$5` fingerprint, `$6` handler version, `$7` reason.
+///
+/// `$10` says whether this transaction holds the key's claim lock ([`TRY_CLAIM_LOCK`], sent
+/// before, so that this statement's snapshot is taken after the lock was granted). Only then,
+/// and only if no attempt has committed the command, may an item be opened: a retry that
+/// claimed the key since this attempt rolled back did not see this failure, so its commit
+/// would not mark a new item recovered. Otherwise an item already open is counted (an update
+/// re-checks `decision is null` on the latest version of the row, so an item the retry
+/// recovered meanwhile is left alone, where an insert would open a second one), and the
+/// retry's own outcome decides the rest: its success needs no item, and its failure is
+/// recorded with the lock free and opens the item with the count so far.
 pub(crate) const RECORD_FAILURE: &str = concat!(
     "with failure as ( \
          insert into tower_inbox.consumer_inbox_failure as f \
@@ -170,23 +180,47 @@ pub(crate) const RECORD_FAILURE: &str = concat!(
              last_reason = excluded.last_reason, payload_sha256 = excluded.payload_sha256, \
              handler_version = excluded.handler_version \
          returning * \
-     ) \
-     insert into tower_inbox.inbox_quarantine as q \
-         (source, item_key, consumer_name, producer_name, tenant_id, message_id, \
-          payload_sha256, payload_ref, reason_code, attempts, first_failed_at, \
-          last_failed_at, handler_version) \
-     select 'handler-failure', ",
+     ), \
+     guard as ( \
+         select $10 and not exists (select 1 from tower_inbox.consumer_inbox i where ",
+    key_is!("i"),
+    ") as may_open \
+     ), \
+     opened as ( \
+         insert into tower_inbox.inbox_quarantine as q \
+             (source, item_key, consumer_name, producer_name, tenant_id, message_id, \
+              payload_sha256, payload_ref, reason_code, attempts, first_failed_at, \
+              last_failed_at, handler_version) \
+         select 'handler-failure', ",
     utf8!("$9"),
     ", consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
-            'sha256:' || payload_sha256, last_reason, attempts, first_failed_at, \
-            last_failed_at, handler_version \
-     from failure where attempts >= $8 \
-     on conflict (item_key) where decision is null do update \
-     set attempts = excluded.attempts, last_failed_at = excluded.last_failed_at, \
-         reason_code = excluded.reason_code, payload_sha256 = excluded.payload_sha256, \
-         payload_ref = excluded.payload_ref, handler_version = excluded.handler_version \
-     returning q.id, (q.xmax = 0) as opened"
+                'sha256:' || payload_sha256, last_reason, attempts, first_failed_at, \
+                last_failed_at, handler_version \
+         from failure, guard where guard.may_open and failure.attempts >= $8 \
+         on conflict (item_key) where decision is null do update \
+         set attempts = excluded.attempts, last_failed_at = excluded.last_failed_at, \
+             reason_code = excluded.reason_code, payload_sha256 = excluded.payload_sha256, \
+             payload_ref = excluded.payload_ref, handler_version = excluded.handler_version \
+         returning q.id, (q.xmax = 0) as opened \
+     ), \
+     counted as ( \
+         update tower_inbox.inbox_quarantine q \
+         set attempts = failure.attempts, last_failed_at = failure.last_failed_at, \
+             reason_code = failure.last_reason, payload_sha256 = failure.payload_sha256, \
+             payload_ref = 'sha256:' || failure.payload_sha256, \
+             handler_version = failure.handler_version \
+         from failure, guard \
+         where not guard.may_open and q.item_key = ",
+    utf8!("$9"),
+    " and q.decision is null \
+         returning q.id, false as opened \
+     ) \
+     select id, opened from opened union all select id, opened from counted"
 );
+
+/// Tries the claim lock of a key (`$1`, `$2`, see `ClaimLock`) for the rest of the
+/// transaction, without waiting: held, another attempt is in flight with the key.
+pub(crate) const TRY_CLAIM_LOCK: &str = "select pg_catalog.pg_try_advisory_xact_lock($1, $2)";
 
 /// Keeps a message in the quarantine: one open item per key (for an identity conflict the
 /// key holds the conflicting hash, so each conflicting payload is its own item), counted.

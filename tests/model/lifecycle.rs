@@ -10,18 +10,22 @@ impl Model {
     /// A failed attempt of `key`: counted in its failure record; from `quarantine_after`
     /// failures on, the command has an open item carrying the count (a new one once the
     /// last was decided).
-    pub(crate) fn fail(&mut self, key: usize) {
+    ///
+    /// Unless `may_open` (another attempt claimed the key before the failure was counted), an
+    /// item already open is counted but none is opened.
+    pub(crate) fn fail(&mut self, key: usize, may_open: bool) {
         let attempts = self.keys[key].failures.map_or(1, |f| f.attempts + 1);
         self.keys[key].failures = Some(FailureFacts {
             attempts,
             old: false,
         });
-        if attempts < i32::try_from(self.settings.quarantine_after).expect("small") {
-            return;
-        }
+        let quarantined = attempts >= i32::try_from(self.settings.quarantine_after).expect("small");
         match self.open_item(key, Source::Failure) {
-            Some(item) => item.attempts = attempts,
-            None => self.items.push(Item::open(key, Source::Failure, attempts)),
+            Some(item) if quarantined || !may_open => item.attempts = attempts,
+            None if quarantined && may_open => {
+                self.items.push(Item::open(key, Source::Failure, attempts));
+            }
+            Some(_) | None => {}
         }
     }
 

@@ -93,7 +93,10 @@ impl Model {
         };
         let key = run.key;
         let recorded_before = self.keys[key].failures.is_some();
-        let expect = self.end(run, ending, failed_before, race);
+        // A waiting duplicate may claim the key before the failure is counted: then the count
+        // opens no item ([`Race::Misses`]).
+        let raced = ending == Ending::Fail && self.waiter_of(key).is_some() && race == Race::Misses;
+        let expect = self.end_counting(run, ending, failed_before, race, !raced);
         let waiter = self.waiter_of(key).map(|waiter| {
             let Session::Waiting { run, fallback } =
                 std::mem::replace(&mut self.sessions[waiter], Session::Idle)
@@ -159,6 +162,18 @@ impl Model {
 
     /// The handler of a claimed `run` answers with `ending`.
     fn end(&mut self, run: Run, ending: Ending, failed_before: FailedBefore, race: Race) -> Expect {
+        self.end_counting(run, ending, failed_before, race, true)
+    }
+
+    /// [`end`](Self::end), where a failure may open a quarantine item only if `may_open`.
+    fn end_counting(
+        &mut self,
+        run: Run,
+        ending: Ending,
+        failed_before: FailedBefore,
+        race: Race,
+        may_open: bool,
+    ) -> Expect {
         let status = ending.status();
         if ending.commits() {
             let recorded = Recorded {
@@ -175,7 +190,7 @@ impl Model {
         } else {
             self.keys[run.key].state = KeyState::Free;
             if ending == Ending::Fail {
-                self.fail(run.key);
+                self.fail(run.key, may_open);
             }
         }
         Expect::Fresh {

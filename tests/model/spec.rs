@@ -60,10 +60,10 @@ pub enum FailedBefore {
     No,
     /// A waiter that claimed after its original failed: the original's failure is recorded
     /// after its rollback, in a transaction of its own, so the waiter's claim may or may not
-    /// see it. When it does not, its commit recovers nothing, against the documentation: a
-    /// race in the crate, reproduced deterministically (and ignored until fixed) in
-    /// `known_race.rs`. The model accepts either outcome here, and only here (see [`Race`]),
-    /// so that the race does not make every other check flaky.
+    /// see it. When it does not, the failure is counted without opening an item (the count
+    /// finds the key claimed), so the waiter's commit has nothing to recover. Both orders are
+    /// correct and the model accepts either (see [`Race`]); `failure_race.rs` holds each
+    /// deterministically.
     Racing,
 }
 
@@ -77,8 +77,10 @@ impl From<bool> for FailedBefore {
     }
 }
 
-/// How a [`FailedBefore::Racing`] claim resolves. The model is run both ways and the database
-/// may match either.
+/// How a failure counted while a duplicate waits for the key resolves: counted first
+/// (`Recovers`: the duplicate's claim sees it, and its commit recovers the item), or after
+/// the duplicate claimed (`Misses`: counted without opening an item, and the claim sees no
+/// failure). The model is run both ways and the database may match either.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Race {
     Recovers,
@@ -223,7 +225,7 @@ impl Model {
     }
 
     /// The step `op` makes, and every state the database may be in afterwards: one, or two
-    /// when a [`FailedBefore::Racing`] claim commits.
+    /// when a failure is counted while a duplicate waits for the key (see [`Race`]).
     pub fn plan(&self, op: &Op) -> (Step, Vec<Model>) {
         let mut recovers = self.clone();
         let step = recovers.apply(op, Race::Recovers);

@@ -16,6 +16,10 @@ pub(super) struct Attempt {
     handler_version: Arc<str>,
     quarantine_after: u32,
     armed: bool,
+    /// The attempt's transaction, rolled back before a drop counts the failure: the count
+    /// finds the key's claim lock held while the transaction is open, and then opens no
+    /// quarantine item (`Inbox::record_failure`).
+    slot: Option<TxSlot>,
 }
 
 impl Attempt {
@@ -27,7 +31,14 @@ impl Attempt {
             handler_version: command.config.handler_version.clone(),
             quarantine_after: command.config.quarantine_after,
             armed: true,
+            slot: None,
         }
+    }
+
+    /// An attempt running on `slot`'s transaction.
+    pub(super) fn on(mut self, slot: &TxSlot) -> Self {
+        self.slot = Some(slot.clone());
+        self
     }
 
     pub(super) fn finish(mut self) {
@@ -55,7 +66,13 @@ impl Drop for Attempt {
             return;
         };
         let failure = self.failure();
-        runtime.spawn(record_failure(failure, "client-gone"));
+        let slot = self.slot.take();
+        runtime.spawn(async move {
+            if let Some(slot) = slot {
+                roll_back(&slot).await;
+            }
+            record_failure(failure, "client-gone").await;
+        });
     }
 }
 

@@ -35,7 +35,7 @@ impl Command {
         let mut parts = self.parts.clone();
         parts.extensions.insert(slot.clone());
         let request = Request::from_parts(parts, Body::from(self.body.clone()));
-        let attempt = Attempt::new(self);
+        let attempt = Attempt::new(self).on(&slot);
         let handler_span = tracing::debug_span!(
             "inbox.handler",
             consumer = %self.identity.consumer(),
