@@ -9,9 +9,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::Router;
 use bytes::Bytes;
+use common::listen::{closed_port, problem_slug, serve};
 use common::proxy::{Cut, Proxy};
+use common::receipts::{assert_streamed_and_refused, assert_waited_out};
 use common::{gated_router, TestApp};
 use http::{Request, Response};
 use http_body::{Body, Frame};
@@ -21,15 +22,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::Notify;
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
-use tower_inbox::client::{AttemptBody, CommandReceipt, GiveUpReason, RetryLayer, RetryPolicy};
-
-/// Serves `router` on a loopback port.
-async fn serve(router: Router) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    addr
-}
+use tower_inbox::client::{AttemptBody, CommandReceipt, RetryLayer, RetryPolicy};
 
 fn hyper_client<B>() -> Client<HttpConnector, AttemptBody<B>>
 where
@@ -65,9 +58,7 @@ where
     B::Error: std::fmt::Debug,
 {
     let body = response.into_body().collect().await.unwrap().to_bytes();
-    let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    let uri = json["type"].as_str().unwrap().to_owned();
-    uri.rsplit_once('#').unwrap().1.to_owned()
+    problem_slug(&body)
 }
 
 #[tokio::test]
@@ -137,9 +128,7 @@ async fn a_streamed_body_is_sent_once_and_not_retried_with_a_clear_error() {
 
     // Nobody listens on this port any more: the connection is refused, and a buffered body
     // would be retried; this one cannot be.
-    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let gone = closed.local_addr().unwrap();
-    drop(closed);
+    let gone = closed_port().await;
     let error = client
         .ready()
         .await
@@ -147,15 +136,8 @@ async fn a_streamed_body_is_sent_once_and_not_retried_with_a_clear_error() {
         .call(streamed(gone, "s2"))
         .await
         .unwrap_err();
-    assert_eq!(
-        (error.reason(), error.attempts(), error.key()),
-        (GiveUpReason::BodyStreamed, 1, Some("s2"))
-    );
-    let line = error.to_string();
-    assert!(
-        line.contains("stream") && line.contains("not retried"),
-        "{line}"
-    );
+    assert_streamed_and_refused(&error);
+    assert_eq!(error.key(), Some("s2"), "the caller's key");
     assert_eq!(app.ledger_rows("streamed").await, 1);
 }
 
@@ -218,12 +200,6 @@ async fn an_in_flight_duplicate_waits_for_retry_after_then_gets_the_replay() {
     let response = duplicate.await.unwrap().unwrap();
     assert_eq!(original.await.unwrap().unwrap().status(), 201);
     assert_eq!(response.status(), 201);
-    let seen = receipt(&response);
-    assert!(seen.replayed());
-    assert!(seen.attempts() >= 2, "{seen:?}");
-    assert_eq!(
-        seen.attempts() as usize,
-        conflicts.load(Ordering::SeqCst) + 1
-    );
+    assert_waited_out(&receipt(&response), conflicts.load(Ordering::SeqCst));
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
 }
