@@ -137,6 +137,10 @@ async fn a_response_lost_after_the_commit_is_replayed_to_the_retry() {
     assert_eq!(app.balance("lost").await, Some(5));
 }
 
+/// The status of the latest attempt, which [`Conflicts`] leaves in the request's extensions.
+#[derive(Debug, Clone, PartialEq)]
+struct LastStatus(u16);
+
 /// After the client's middleware: counts the 409s its attempts get and tells the test.
 #[derive(Clone)]
 struct Conflicts {
@@ -157,6 +161,7 @@ impl Middleware for Conflicts {
             self.count.fetch_add(1, Ordering::SeqCst);
             self.seen.notify_one();
         }
+        extensions.insert(LastStatus(response.status().as_u16()));
         Ok(response)
     }
 }
@@ -178,11 +183,26 @@ async fn an_in_flight_duplicate_waits_for_retry_after_then_gets_the_replay() {
         seen: Arc::new(Notify::new()),
     };
     let client = client(Some(conflicts.clone()));
-    let duplicate = tokio::spawn(credit(&client, addr, "gated", Some("busy-key"), 1).send());
+    let request = credit(&client, addr, "gated", Some("busy-key"), 1)
+        .build()
+        .unwrap();
+    let duplicate = tokio::spawn(async move {
+        let mut extensions = Extensions::new();
+        let sent = client
+            .execute_with_extensions(request, &mut extensions)
+            .await;
+        (sent, extensions)
+    });
     conflicts.seen.notified().await;
     gate.release.notify_one();
 
-    let response = duplicate.await.unwrap().unwrap();
+    let (sent, extensions) = duplicate.await.unwrap();
+    let response = sent.unwrap();
+    assert_eq!(
+        extensions.get::<LastStatus>(),
+        Some(&LastStatus(201)),
+        "what the chain left in the last attempt's extensions reaches the caller"
+    );
     assert_eq!(original.await.unwrap().unwrap().status(), 201);
     assert_eq!(response.status(), 201);
     assert_waited_out(&receipt(&response), conflicts.count.load(Ordering::SeqCst));
