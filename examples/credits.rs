@@ -7,6 +7,10 @@
 //!   -d '{"delta": 10}'
 //! ```
 //!
+//! A Rust caller sends its commands through `tower_inbox::client` (feature `client`), which
+//! makes each key and retries only what is safe to retry: `examples/client.rs` does, with
+//! `cargo run --example client --features client` while this runs.
+//!
 //! `BIND_ADDR` (default `127.0.0.1:3000`) and `DATABASE_URL` configure it. With
 //! `CREDITS_WEBHOOK_URL` set, every first-seen credit also enqueues a webhook effect that an
 //! in-process dispatcher delivers (`CREDITS_WEBHOOK_TIMEOUT_MS`, default 5000). `GET /metrics`

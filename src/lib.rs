@@ -148,5 +148,10 @@ pub async fn migrate(pool: &sqlx::PgPool) -> Result<(), sqlx::migrate::MigrateEr
 
 /// Compiles the README's code examples as doctests (they use every feature).
 #[doc = include_str!("../README.md")]
-#[cfg(all(doctest, feature = "axum", feature = "outbox-http"))]
+#[cfg(all(
+    doctest,
+    feature = "axum",
+    feature = "outbox-http",
+    feature = "client-reqwest"
+))]
 pub struct ReadmeDoctests;

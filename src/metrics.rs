@@ -356,7 +356,7 @@ pub const METRICS: &[MetricInfo] = &[
         Counter,
         &["reason"],
         Unit::Count,
-        "attempts the client layer retried: reason=transport, timeout, status-<code> or a problem type",
+        "attempts the client layer retried: reason=refused, transport, timeout, status-<code> or a problem type",
     ),
     info(
         CLIENT_GIVE_UPS,

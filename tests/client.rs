@@ -1,7 +1,11 @@
 //! The client layer (feature `client`) over hyper-util's client, against the credits
-//! service served on a real TCP listener and a real database.
+//! service served on a real TCP listener and a real database, and against the credits
+//! example's own process, SIGKILLed and started again under the client's load.
 
 mod common;
+// The fault suite's driver of the credits example's process.
+#[path = "faults/service.rs"]
+mod service;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -9,9 +13,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::Router;
 use bytes::Bytes;
+use common::listen::{closed_port, problem_slug, serve};
 use common::proxy::{Cut, Proxy};
+use common::receipts::{assert_streamed_and_refused, assert_waited_out};
 use common::{gated_router, TestApp};
 use http::{Request, Response};
 use http_body::{Body, Frame};
@@ -21,15 +26,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::Notify;
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
-use tower_inbox::client::{AttemptBody, CommandReceipt, GiveUpReason, RetryLayer, RetryPolicy};
-
-/// Serves `router` on a loopback port.
-async fn serve(router: Router) -> SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    addr
-}
+use tower_inbox::client::{AttemptBody, CommandReceipt, RetryLayer, RetryPolicy};
 
 fn hyper_client<B>() -> Client<HttpConnector, AttemptBody<B>>
 where
@@ -65,9 +62,7 @@ where
     B::Error: std::fmt::Debug,
 {
     let body = response.into_body().collect().await.unwrap().to_bytes();
-    let json: serde_json::Value = serde_json::from_slice(&body).unwrap();
-    let uri = json["type"].as_str().unwrap().to_owned();
-    uri.rsplit_once('#').unwrap().1.to_owned()
+    problem_slug(&body)
 }
 
 #[tokio::test]
@@ -137,9 +132,7 @@ async fn a_streamed_body_is_sent_once_and_not_retried_with_a_clear_error() {
 
     // Nobody listens on this port any more: the connection is refused, and a buffered body
     // would be retried; this one cannot be.
-    let closed = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let gone = closed.local_addr().unwrap();
-    drop(closed);
+    let gone = closed_port().await;
     let error = client
         .ready()
         .await
@@ -147,15 +140,8 @@ async fn a_streamed_body_is_sent_once_and_not_retried_with_a_clear_error() {
         .call(streamed(gone, "s2"))
         .await
         .unwrap_err();
-    assert_eq!(
-        (error.reason(), error.attempts(), error.key()),
-        (GiveUpReason::BodyStreamed, 1, Some("s2"))
-    );
-    let line = error.to_string();
-    assert!(
-        line.contains("stream") && line.contains("not retried"),
-        "{line}"
-    );
+    assert_streamed_and_refused(&error);
+    assert_eq!(error.key(), Some("s2"), "the caller's key");
     assert_eq!(app.ledger_rows("streamed").await, 1);
 }
 
@@ -218,12 +204,121 @@ async fn an_in_flight_duplicate_waits_for_retry_after_then_gets_the_replay() {
     let response = duplicate.await.unwrap().unwrap();
     assert_eq!(original.await.unwrap().unwrap().status(), 201);
     assert_eq!(response.status(), 201);
-    let seen = receipt(&response);
-    assert!(seen.replayed());
-    assert!(seen.attempts() >= 2, "{seen:?}");
-    assert_eq!(
-        seen.attempts() as usize,
-        conflicts.load(Ordering::SeqCst) + 1
-    );
+    assert_waited_out(&receipt(&response), conflicts.load(Ordering::SeqCst));
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the handler ran once");
+}
+
+/// How the commands of the restart test fared.
+#[derive(Default)]
+struct Tally {
+    commands: usize,
+    attempts: usize,
+    replayed: usize,
+    most_attempts: u32,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkilled_and_restarted_every_command_gets_a_2xx_and_one_ledger_row() {
+    const COMMANDS: usize = 500;
+    const WORKERS: usize = 8;
+    /// A SIGKILL after every this many answered commands: the kills land inside the load
+    /// however fast or slow the machine is.
+    const KILL_EVERY: usize = 50;
+
+    let app = TestApp::new().await;
+    let webhook = common::receiver([]).await;
+    let mut service = service::Service::new("client", app.db.url(), &webhook);
+    service.start().await;
+    let base = service.url("");
+    // The default policy but for the attempts: a command whose attempts meet a process
+    // still starting on a slow machine is refused quickly over and over; the default time
+    // budget (30 s) is what bounds it here.
+    let policy = RetryPolicy::default().max_attempts(20);
+    let client = RetryLayer::new(policy).layer(hyper_client::<Full<Bytes>>());
+    let answered = Arc::new(AtomicUsize::new(0));
+    let next = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|_| {
+            let (mut client, base) = (client.clone(), base.clone());
+            let (answered, next) = (answered.clone(), next.clone());
+            tokio::spawn(async move {
+                let mut tally = Tally::default();
+                loop {
+                    let n = next.fetch_add(1, Ordering::SeqCst);
+                    if n >= COMMANDS {
+                        return tally;
+                    }
+                    // No key: the layer makes one, and keeps it across the kills.
+                    let request = Request::post(format!("{base}/accounts/restart-{n}/credits"))
+                        .header("content-type", "application/json")
+                        .header("x-producer", "client-test")
+                        .body(Full::new(Bytes::from_static(br#"{"delta": 1}"#)))
+                        .unwrap();
+                    let response = client.ready().await.unwrap().call(request).await;
+                    let response = response.unwrap_or_else(|e| panic!("command {n}: {e}"));
+                    assert!(
+                        response.status().is_success(),
+                        "command {n}: {}",
+                        response.status()
+                    );
+                    let seen = receipt(&response);
+                    tally.commands += 1;
+                    tally.attempts += seen.attempts() as usize;
+                    tally.replayed += usize::from(seen.replayed());
+                    tally.most_attempts = tally.most_attempts.max(seen.attempts());
+                    answered.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        })
+        .collect();
+
+    let mut kills = 0;
+    let mut kill_at = KILL_EVERY;
+    while kill_at < COMMANDS {
+        if answered.load(Ordering::SeqCst) >= kill_at {
+            service.kill();
+            kills += 1;
+            tokio::time::sleep(Duration::from_millis(fastrand::u64(0..300))).await;
+            service.start().await;
+            kill_at += KILL_EVERY;
+        }
+        if workers.iter().all(|w| w.is_finished()) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut total = Tally::default();
+    for worker in workers {
+        let tally = worker
+            .await
+            .expect("a worker panicked: see its message above");
+        total.commands += tally.commands;
+        total.attempts += tally.attempts;
+        total.replayed += tally.replayed;
+        total.most_attempts = total.most_attempts.max(tally.most_attempts);
+    }
+    println!(
+        "restart: {kills} SIGKILLs, {} starts; {} commands, {} attempts ({} retries, at most {} \
+         for one command), {} answers replayed",
+        service.starts,
+        total.commands,
+        total.attempts,
+        total.attempts - total.commands,
+        total.most_attempts,
+        total.replayed,
+    );
+    assert_eq!(total.commands, COMMANDS);
+    assert!(kills >= 1, "no kill happened inside the load");
+    let (rows, commands): (i64, i64) = sqlx::query_as(
+        "select count(*), count(distinct account_id) from credit_ledger
+         where account_id like 'restart-%'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (rows, commands),
+        (COMMANDS as i64, COMMANDS as i64),
+        "one row per command"
+    );
 }

@@ -76,7 +76,10 @@ pub enum LastAnswer {
         /// Its body.
         body: Bytes,
     },
-    /// The inner service failed without an answer.
+    /// The connection was refused: the attempt never reached the server.
+    Refused(BoxError),
+    /// The inner service failed without an answer, after the request may have reached the
+    /// server (the connection reset, the answer cut off).
     Transport(BoxError),
     /// The attempt timed out.
     TimedOut,
@@ -96,6 +99,8 @@ struct Details {
     attempts: u32,
     reason: GiveUpReason,
     last: Option<LastAnswer>,
+    /// Whether any attempt may have reached the server.
+    reached: bool,
     /// What failed before any attempt: the request body, the inner service's readiness.
     cause: Option<BoxError>,
 }
@@ -106,12 +111,14 @@ impl CommandError {
         attempts: u32,
         reason: GiveUpReason,
         last: Option<LastAnswer>,
+        reached: bool,
     ) -> Self {
         Self(Box::new(Details {
             key,
             attempts,
             reason,
             last,
+            reached,
             cause: None,
         }))
     }
@@ -121,7 +128,7 @@ impl CommandError {
         reason: GiveUpReason,
         cause: Option<BoxError>,
     ) -> Self {
-        let mut error = Self::new(key, 0, reason, None);
+        let mut error = Self::new(key, 0, reason, None, false);
         error.0.cause = cause;
         error
     }
@@ -134,6 +141,13 @@ impl CommandError {
     /// The attempts made (0 when nothing was sent).
     pub fn attempts(&self) -> u32 {
         self.0.attempts
+    }
+
+    /// Whether any attempt may have reached the server. `false` when nothing was sent or
+    /// every connection was refused: then the command cannot have committed, whatever its
+    /// key. `true` says only that it may have; sending it again with the same key finds out.
+    pub fn reached_server(&self) -> bool {
+        self.0.reached
     }
 
     /// Why the layer stopped.
@@ -168,6 +182,9 @@ impl fmt::Display for CommandError {
         )?;
         match &details.last {
             Some(LastAnswer::Response { status, .. }) => write!(f, "; last answer: {status}")?,
+            Some(LastAnswer::Refused(e)) => {
+                write!(f, "; last attempt refused, never reached the server: {e}")?;
+            }
             Some(LastAnswer::Transport(e)) => write!(f, "; last attempt failed: {e}")?,
             Some(LastAnswer::TimedOut) => f.write_str("; last attempt timed out")?,
             None => {}
@@ -182,7 +199,9 @@ impl fmt::Display for CommandError {
 impl std::error::Error for CommandError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match (&self.0.last, &self.0.cause) {
-            (Some(LastAnswer::Transport(e)), _) | (_, Some(e)) => Some(e.as_ref()),
+            (Some(LastAnswer::Transport(e) | LastAnswer::Refused(e)), _) | (_, Some(e)) => {
+                Some(e.as_ref())
+            }
             _ => None,
         }
     }

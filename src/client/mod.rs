@@ -2,6 +2,10 @@
 //! sends each command with one `Idempotency-Key`, the same key and the same body on every
 //! attempt, retries what is safe to retry, and gives up within a budget.
 //!
+//! Two front ends share one retry loop and one [`RetryPolicy`]: [`RetryLayer`], for any
+//! `tower::Service<http::Request<B>>` (hyper-util's client, for one), and `RetryMiddleware`,
+//! a `reqwest_middleware::Middleware` (feature `client-reqwest`).
+//!
 //! ```no_run
 //! use bytes::Bytes;
 //! use http::Request;
@@ -50,7 +54,8 @@
 //!
 //! | answer | verdict | reason label |
 //! |---|---|---|
-//! | the inner service fails: connection refused or reset, the answer cut off | retried | `transport` |
+//! | the inner service fails with a refused connection: the attempt never reached the server | retried | `refused` |
+//! | the inner service fails otherwise: the connection reset, the answer cut off | retried | `transport` |
 //! | no answer within the [attempt timeout](RetryPolicy::attempt_timeout) (10 s) | retried | `timeout` |
 //! | 429, 502, 503, 504 | retried | `status-<code>` |
 //! | 500 | retried (the crate's server rolls back on a 5xx); [`retry_500(false)`](RetryPolicy::retry_500) returns it | `status-500` |
@@ -62,7 +67,8 @@
 //! [`RetryPolicy::retry_status`] and [`RetryPolicy::retry_problem`] change the table.
 //! Before retry `n` the layer waits a random time between zero and
 //! `min(5 s, 100 ms * 2^(n-1))` (full jitter, [`RetryPolicy::backoff`]), and at least the
-//! answer's `Retry-After` in seconds.
+//! answer's `Retry-After`, in delta-seconds or as an HTTP-date (RFC 9110 §10.2.3, counted
+//! from the client's wall clock).
 //!
 //! ## Budget
 //!
@@ -71,6 +77,8 @@
 //! longer than what is left gives up at once), and an attempt still running at the end of
 //! it is abandoned. Giving up returns a [`CommandError`] with the key, the attempts made
 //! and the last answer: sending the same command later with that key is still safe.
+//! [`CommandError::reached_server`] is `false` when every attempt's connection was refused:
+//! then the command cannot have committed.
 //!
 //! ## What the caller sees
 //!
@@ -84,8 +92,12 @@
 //! [`inbox_client_give_ups_total`](crate::metrics::CLIENT_GIVE_UPS) (by reason) count them.
 
 mod error;
+mod key;
 mod layer;
+#[cfg(feature = "client-reqwest")]
+mod middleware;
 mod policy;
+mod retry_after;
 mod run;
 #[cfg(test)]
 mod tests;
@@ -95,6 +107,8 @@ use http_body_util::{Either, Full};
 
 pub use error::{CommandError, GiveUpReason, LastAnswer};
 pub use layer::{ResponseFuture, RetryLayer, RetryService};
+#[cfg(feature = "client-reqwest")]
+pub use middleware::RetryMiddleware;
 pub use policy::{RetryPolicy, RetryReason};
 
 /// The body the inner service is sent: the buffered bytes of a replayable request (on every

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::header::{HeaderMap, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{HeaderMap, CONTENT_TYPE};
 use http::{Method, StatusCode};
 
 use crate::problem::ProblemKind;
@@ -16,8 +16,11 @@ pub(crate) const REPLAYED: &str = "idempotent-replayed";
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum RetryReason {
-    /// The inner service failed without an answer: connection refused or reset, the
-    /// response cut off, or a timeout of the caller's own.
+    /// The connection was refused: the attempt never reached the server, so it cannot
+    /// have committed anything.
+    Refused,
+    /// The inner service failed without an answer after the request may have reached the
+    /// server: the connection reset, the response cut off, or a timeout of the caller's own.
     Transport,
     /// The attempt timed out ([`RetryPolicy::attempt_timeout`]).
     Timeout,
@@ -29,9 +32,11 @@ pub enum RetryReason {
 }
 
 impl RetryReason {
-    /// The metric label: `transport`, `timeout`, `status-<code>`, or the problem's slug.
+    /// The metric label: `refused`, `transport`, `timeout`, `status-<code>`, or the
+    /// problem's slug.
     pub fn label(self) -> String {
         match self {
+            Self::Refused => "refused".to_owned(),
             Self::Transport => "transport".to_owned(),
             Self::Timeout => "timeout".to_owned(),
             Self::Status(status) => format!("status-{}", status.as_u16()),
@@ -266,9 +271,17 @@ impl RetryPolicy {
     }
 }
 
-/// `Retry-After` as delta-seconds. An HTTP-date (which the crate's server never sends) or a
-/// malformed value counts as absent: the backoff alone decides.
-pub(crate) fn retry_after(headers: &HeaderMap) -> Option<Duration> {
-    let value = headers.get(RETRY_AFTER)?.to_str().ok()?.trim();
-    value.parse::<u64>().ok().map(Duration::from_secs)
+/// The reason to retry an attempt whose inner service failed: [`RetryReason::Refused`] when
+/// an error in its chain of sources is a refused connection, else [`RetryReason::Transport`].
+pub(crate) fn transport_reason(error: &(dyn std::error::Error + 'static)) -> RetryReason {
+    let mut cause = Some(error);
+    while let Some(e) = cause {
+        if e.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::ConnectionRefused)
+        {
+            return RetryReason::Refused;
+        }
+        cause = e.source();
+    }
+    RetryReason::Transport
 }

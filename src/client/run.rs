@@ -2,10 +2,9 @@
 
 use std::future::poll_fn;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use http::header::{HeaderName, HeaderValue};
 use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
@@ -16,12 +15,12 @@ use tracing::field::Empty;
 use tracing::Instrument;
 
 use super::error::{CommandError, GiveUpReason, LastAnswer};
-use super::policy::{retry_after, RetryReason, Verdict, REPLAYED};
+use super::key::command_key;
+use super::policy::{transport_reason, RetryReason, Verdict, REPLAYED};
+use super::retry_after::retry_after;
 use super::{AttemptBody, CommandReceipt, ResponseBody, RetryPolicy};
 use crate::body::BoxError;
 use crate::metrics::{CLIENT_ATTEMPTS, CLIENT_GIVE_UPS, CLIENT_RETRIES};
-
-const KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
 /// The most of an answer's body read to classify it (a problem+json) or keep it in the
 /// error: the crate's problems are a few hundred bytes.
@@ -73,36 +72,6 @@ where
         .await
 }
 
-/// The key every attempt carries: the caller's, or a generated one for the key methods.
-/// `None` for a request that has neither.
-fn command_key(parts: &mut Parts, policy: &RetryPolicy) -> Result<Option<String>, CommandError> {
-    let invalid = |key| CommandError::before_sending(key, GiveUpReason::InvalidKey, None);
-    let mut values = parts.headers.get_all(&KEY).iter();
-    match (values.next(), values.next()) {
-        (Some(_), Some(_)) => Err(invalid(None)),
-        (Some(value), None) => match value.to_str() {
-            Ok(key) if valid_key(key) => Ok(Some(key.to_owned())),
-            _ => Err(invalid(None)),
-        },
-        (None, _) if policy.key_methods.contains(&parts.method) => {
-            let key = (policy.key_generator)();
-            let value = HeaderValue::from_str(&key)
-                .ok()
-                .filter(|_| valid_key(&key))
-                .ok_or_else(|| invalid(Some(key.clone())))?;
-            parts.headers.insert(KEY, value);
-            Ok(Some(key))
-        }
-        (None, _) => Ok(None),
-    }
-}
-
-/// What the crate's server accepts as a plain key (it refuses anything else as
-/// `key-malformed`, an answer no retry changes).
-fn valid_key(key: &str) -> bool {
-    !key.is_empty() && key.len() <= crate::MAX_KEY_LEN && key.bytes().all(|b| b.is_ascii_graphic())
-}
-
 async fn pass_through<S, B, ResBody>(
     mut inner: S,
     parts: Parts,
@@ -117,12 +86,16 @@ where
         .await
     {
         Ok(response) => Ok(response.map(Either::Right)),
-        Err(e) => Err(CommandError::new(
-            None,
-            1,
-            GiveUpReason::NotRetried,
-            Some(LastAnswer::Transport(e.into())),
-        )),
+        Err(e) => {
+            let (reason, last) = transport_failure(e.into());
+            Err(CommandError::new(
+                None,
+                1,
+                GiveUpReason::NotRetried,
+                Some(last),
+                reason != RetryReason::Refused,
+            ))
+        }
     }
 }
 
@@ -160,11 +133,17 @@ where
             let request = Request::from_parts(clone_parts(&parts), Either::Right(body));
             return match attempt(&mut inner, policy, request, 1, deadline).await {
                 Outcome::Final(response) => Ok(finish(response, key, 1)),
-                Outcome::Retry { last, .. } => Err(give_up(key, 1, why, last)),
+                Outcome::Retry { reason, last, .. } => {
+                    let reached = reason != RetryReason::Refused;
+                    Err(give_up(key, (1, reached), why, last))
+                }
             };
         }
     };
     let mut attempts = 0;
+    // Whether any attempt may have reached the server: every one refused means that the
+    // command cannot have committed.
+    let mut reached = false;
     loop {
         attempts += 1;
         let request =
@@ -178,8 +157,10 @@ where
                     retry_after,
                 } => (reason, last, retry_after),
             };
+        reached |= reason != RetryReason::Refused;
+        let made = (attempts, reached);
         if attempts >= policy.max_attempts {
-            return Err(give_up(key, attempts, GiveUpReason::Attempts, last));
+            return Err(give_up(key, made, GiveUpReason::Attempts, last));
         }
         let wait = policy
             .jittered_backoff(attempts)
@@ -190,7 +171,7 @@ where
             (Some(_), None) => true,
         };
         if past_deadline {
-            return Err(give_up(key, attempts, GiveUpReason::Deadline, last));
+            return Err(give_up(key, made, GiveUpReason::Deadline, last));
         }
         ::metrics::counter!(CLIENT_RETRIES, "reason" => reason.label()).increment(1);
         tokio::time::sleep(wait).await;
@@ -289,10 +270,13 @@ where
     ResBody: Body<Data = Bytes>,
     ResBody::Error: Into<BoxError>,
 {
-    let transport = |e: BoxError| Outcome::Retry {
-        reason: RetryReason::Transport,
-        last: LastAnswer::Transport(e),
-        retry_after: None,
+    let transport = |e: BoxError| {
+        let (reason, last) = transport_failure(e);
+        Outcome::Retry {
+            reason,
+            last,
+            retry_after: None,
+        }
     };
     if let Err(e) = poll_fn(|cx| inner.poll_ready(cx)).await {
         return transport(e.into());
@@ -303,7 +287,7 @@ where
     };
     let retry = |reason, parts: http::response::Parts, body| Outcome::Retry {
         reason,
-        retry_after: retry_after(&parts.headers),
+        retry_after: retry_after(&parts.headers, SystemTime::now()),
         last: LastAnswer::Response {
             status: parts.status,
             headers: parts.headers,
@@ -360,12 +344,27 @@ fn finish<ResBody>(
     response
 }
 
-fn give_up(key: String, attempts: u32, reason: GiveUpReason, last: LastAnswer) -> CommandError {
+/// A failed attempt's reason to retry and its last answer: refused, or any other failure.
+fn transport_failure(error: BoxError) -> (RetryReason, LastAnswer) {
+    match transport_reason(error.as_ref()) {
+        RetryReason::Refused => (RetryReason::Refused, LastAnswer::Refused(error)),
+        reason => (reason, LastAnswer::Transport(error)),
+    }
+}
+
+/// Gives up after `(attempts, reached)`: the attempts made and whether any may have
+/// reached the server.
+fn give_up(
+    key: String,
+    (attempts, reached): (u32, bool),
+    reason: GiveUpReason,
+    last: LastAnswer,
+) -> CommandError {
     give_up_metric(reason);
     let span = tracing::Span::current();
     span.record("attempts", attempts);
     span.record("outcome", reason.label());
-    CommandError::new(Some(key), attempts, reason, Some(last))
+    CommandError::new(Some(key), attempts, reason, Some(last), reached)
 }
 
 fn give_up_metric(reason: GiveUpReason) {

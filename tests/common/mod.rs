@@ -5,7 +5,10 @@
 #[path = "../../examples/credits/app.rs"]
 pub mod credits;
 pub mod example;
+pub mod listen;
 pub mod proxy;
+#[cfg(feature = "client")]
+pub mod receipts;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -125,6 +125,16 @@
 //! In open loop a thread of its own wakes at each due time and one more task, the scheduler,
 //! hands the due request to a connection's task.
 //!
+//! It does not send through `tower_inbox::client`, and has no retries of its own to replace
+//! with it: each request is sent once and its answer, or its failure, is what is measured.
+//! A retrying client would fold a failed attempt and its retry into one slower success (the
+//! transport errors and the latency of each attempt are the figures), and the `duplicate`
+//! and `conflict` kinds are raw on purpose: they send an answered key again, with the same
+//! or another body, to measure the server's replay and mismatch paths, which the client
+//! would keep from happening (it returns a replay or a conflict at once and never resends an
+//! answered command). A reconnect after a failed connect is not a retry of a command: the
+//! request that found no connection is counted as a connect error and not sent.
+//!
 //! It runs on a **current-thread** runtime by default. Measured on a busy 2-core machine at
 //! 1,000–3,000 req/s: about 35–55 µs of client CPU per request, about half of it in the kernel
 //! (socket reads and writes, wake-ups), i.e. under 10% of one core; a 2-worker runtime

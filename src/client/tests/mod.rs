@@ -2,6 +2,8 @@
 //! instantly and every duration read is the virtual clock's.
 
 mod budget;
+mod retry_after;
+mod transport;
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -25,6 +27,9 @@ type Seen = (Option<String>, Bytes);
 enum Step {
     Answer(Response<Full<Bytes>>),
     Fail(&'static str),
+    /// Fails as a client does when nothing listens: a refused connection deep in the
+    /// error's sources.
+    Refused,
     Hang,
 }
 
@@ -75,6 +80,7 @@ impl Script {
                 match step.expect("the script ran out") {
                     Step::Answer(response) => Ok::<_, BoxError>(response),
                     Step::Fail(e) => Err(e.into()),
+                    Step::Refused => Err(refused()),
                     Step::Hang => std::future::pending().await,
                 }
             }
@@ -117,6 +123,24 @@ fn problem(kind: ProblemKind, code: u16, retry_after: Option<u64>) -> Step {
             .body(Full::new(Bytes::from(body.to_string())))
             .unwrap(),
     )
+}
+
+/// A client error wrapping a connect error wrapping the refusal, as hyper-util's does.
+fn refused() -> BoxError {
+    #[derive(Debug)]
+    struct Wrapper(&'static str, std::io::Error);
+    impl std::fmt::Display for Wrapper {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(self.0)
+        }
+    }
+    impl std::error::Error for Wrapper {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.1)
+        }
+    }
+    let io = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+    Box::new(Wrapper("client error (Connect)", io))
 }
 
 fn command(key: Option<&str>) -> Request<Full<Bytes>> {
