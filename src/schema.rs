@@ -5,7 +5,13 @@
 //! a table or function of the same name in `public`) can redirect or break the protocol. The
 //! schema is `tower_inbox` unless a [`Schema`] of another name is given to the layer
 //! ([`InboxLayerBuilder::schema`](crate::InboxLayerBuilder::schema)) and to the other
-//! components, and [`migrate_schema`] creates the tables there.
+//! components, and [`migrate_schema`] creates the tables there. [`grant_statements`] gives
+//! the service's role what it needs there and nothing else (least privilege: the tables stay
+//! owned by the role that migrates).
+
+mod grants;
+
+pub use grants::{grant_statements, Access, RoleError};
 
 use std::collections::HashMap;
 use std::ops::Deref;

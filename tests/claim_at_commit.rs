@@ -177,8 +177,9 @@ async fn a_duplicate_of_an_in_flight_original_waits_then_replays_or_gets_409() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 
     // A duplicate whose commit meets an uncommitted claim waits for it, within the bound.
+    // TRUNCATE of the crate's table is the owner's.
     sqlx::query("truncate tower_inbox.consumer_inbox, applied")
-        .execute(&app.pool)
+        .execute(&app.owner)
         .await
         .unwrap();
     // Another process holds an uncommitted claim of the key.
@@ -284,7 +285,9 @@ async fn a_serialization_failure_at_the_claim_statement_reruns_the_handler() {
     // The first two claims at commit fail the way SERIALIZABLE fails them.
     sqlx::raw_sql(
         "create sequence claims;
-         create function refuse_claims() returns trigger language plpgsql as $$
+         -- security definer: the sequence is the owner's, the service only fires the trigger.
+         create function refuse_claims() returns trigger language plpgsql
+             security definer as $$
          begin
              if nextval('claims') <= 2 then
                  raise exception 'forced' using errcode = '40001';
@@ -294,7 +297,8 @@ async fn a_serialization_failure_at_the_claim_statement_reruns_the_handler() {
          create trigger refuse_claims before insert on tower_inbox.consumer_inbox
              for each row execute function refuse_claims();",
     )
-    .execute(&app.pool)
+    // A trigger on the crate's table is the owner's to create.
+    .execute(&app.owner)
     .await
     .unwrap();
     let router = at_commit(&app);

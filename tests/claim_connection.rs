@@ -171,13 +171,7 @@ async fn a_duplicate_and_a_conflict_carry_the_recorded_row_and_leave_the_connect
 #[tokio::test]
 async fn a_duplicate_reads_the_same_whatever_bytea_output_says() {
     let (app, _) = app_with_probe().await;
-    sqlx::query(&format!(
-        "alter database \"{}\" set bytea_output = 'escape'",
-        app.db.name()
-    ))
-    .execute(&app.pool)
-    .await
-    .expect("alter database");
+    app.set_for_new_sessions("bytea_output", "'escape'").await;
     // A new pool: its connections start with the database's setting.
     let pool = app.db.pool(1).await;
     let setting: String = sqlx::query_scalar("show bytea_output")
@@ -268,7 +262,8 @@ async fn a_failing_claim_reports_its_error_and_leaves_the_connection_clean() {
          create trigger refuse before insert on tower_inbox.consumer_inbox
              for each row execute function public.refuse();",
     )
-    .execute(&app.pool)
+    // A trigger on the crate's table is the owner's to create.
+    .execute(&app.owner)
     .await
     .expect("trigger");
     let inbox = Inbox::new(pool.clone());

@@ -2,6 +2,7 @@
 //! the compensated migration's guarantees and failure paths. Every outcome is asserted on the
 //! database: ledger and projection rows, and the inbox rows with their consumer name and
 //! handler version.
+//! (Over 400 lines: one test per replay policy and its failure paths, over shared helpers.)
 
 mod common;
 
@@ -758,8 +759,9 @@ async fn a_conflict_is_refused_even_when_the_quarantine_cannot_keep_it() {
         .apply_step(&steps[0], pay_bonus)
         .await
         .expect("apply");
+    // DROP TABLE is the owner's.
     sqlx::query("drop table tower_inbox.inbox_quarantine")
-        .execute(&app.pool)
+        .execute(&app.owner)
         .await
         .expect("drop");
     let changed =
@@ -778,6 +780,10 @@ async fn a_conflict_is_refused_even_when_the_quarantine_cannot_keep_it() {
 #[tokio::test]
 async fn a_deadlocked_step_is_rerun_and_applied_once() {
     let app = TestApp::new().await;
+    // The step's backend detects the deadlock fast. deadlock_timeout is a superuser's
+    // setting, which the service's role may not set: the owner sets it for the database's new
+    // sessions, before the service's pool opens any.
+    app.set_for_new_sessions("deadlock_timeout", "'50ms'").await;
     let steps = buggy_v1(&app).await;
     let migration = bonus_migration(&app.pool);
     let step = &steps[0];
@@ -787,7 +793,8 @@ async fn a_deadlocked_step_is_rerun_and_applied_once() {
     // account once the step holds it: a real lock cycle on the first attempt.
     let step_holds_row = Arc::new(Notify::new());
     let other = {
-        let pool = app.pool.clone();
+        // deadlock_timeout is a superuser's setting: the other transaction is the owner's.
+        let pool = app.owner.clone();
         let (account, other_account) = (step.input().account.clone(), other_account.clone());
         let step_holds_row = step_holds_row.clone();
         tokio::spawn(async move {
@@ -809,7 +816,9 @@ async fn a_deadlocked_step_is_rerun_and_applied_once() {
     };
 
     let calls = AtomicUsize::new(0);
-    let pool = app.pool.clone();
+    // The owner's: the other transaction's wait shows in pg_stat_activity only to its role
+    // (or a superuser), not to the service's.
+    let pool = app.owner.clone();
     let outcome = migration
         .apply_step(step, |tx: &mut ClaimedMessage, fix: &MissingBonus| {
             let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
@@ -817,9 +826,6 @@ async fn a_deadlocked_step_is_rerun_and_applied_once() {
                 (pool.clone(), step_holds_row.clone(), other_account.clone());
             async move {
                 if first {
-                    sqlx::query("set local deadlock_timeout = '50ms'")
-                        .execute(&mut *tx)
-                        .await?;
                     lock_account(&mut *tx, &fix.account).await?;
                     notify.notify_one();
                     wait_until_a_lock_is_awaited(&pool).await;
@@ -969,7 +975,9 @@ async fn a_serialization_failure_at_commit_reruns_the_step() {
     // transaction is refused at commit; the sequence survives that rollback.
     sqlx::raw_sql(
         "create sequence commit_refusals;
-         create function refuse_first_commit() returns trigger language plpgsql as $$
+         -- security definer: the sequence is the owner's, the service only fires the trigger.
+         create function refuse_first_commit() returns trigger language plpgsql
+             security definer as $$
          begin
              if nextval('commit_refusals') = 1 then
                  raise exception 'could not serialize access' using errcode = '40001';
@@ -981,7 +989,8 @@ async fn a_serialization_failure_at_commit_reruns_the_step() {
              when (new.producer_name like 'migration:%')
              execute function refuse_first_commit();",
     )
-    .execute(&app.pool)
+    // A trigger on the example's table is the owner's to create.
+    .execute(&app.owner)
     .await
     .expect("trigger");
     let migration = bonus_migration(&app.pool);

@@ -115,8 +115,9 @@ impl Logged {
     }
 
     async fn sql(&self, sql: &str) {
+        // The faults are triggers on the crate's tables: the owner's to create.
         sqlx::raw_sql(sql)
-            .execute(&self.app.pool)
+            .execute(&self.app.owner)
             .await
             .unwrap_or_else(|e| panic!("{sql}: {e}"));
     }

@@ -1,7 +1,9 @@
 //! Per-test databases and named databases for examples and benches.
 
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Weak;
+use std::sync::{Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
@@ -53,6 +55,34 @@ pub struct TestDatabase {
     maintenance: PgConnectOptions,
     /// The private cluster the database is on, if any.
     cluster: Option<Weak<Instance>>,
+    /// The roles [`TestDatabase::login_role`] made, dropped after the database.
+    roles: Mutex<Vec<String>>,
+}
+
+/// A login role of its own for one [`TestDatabase`]: not a superuser, allowed nothing but
+/// what the test grants it, and dropped right after the database.
+#[derive(Debug, Clone)]
+pub struct TestRole {
+    name: String,
+    options: PgConnectOptions,
+}
+
+impl TestRole {
+    /// The role's name, as a statement would quote it (`GRANT ... TO "<name>"`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Connect options for the database as this role.
+    pub fn connect_options(&self) -> PgConnectOptions {
+        self.options.clone()
+    }
+
+    /// A pool of at most `max_connections` connections to the database as this role, as
+    /// [`TestDatabase::pool`] makes them.
+    pub fn pool(&self, max_connections: u32) -> PgPool {
+        lazy_pool(self.connect_options(), max_connections)
+    }
 }
 
 impl TestDatabase {
@@ -106,6 +136,47 @@ impl TestDatabase {
             maintenance: server.maintenance_options(),
             name,
             cluster,
+            roles: Mutex::default(),
+        })
+    }
+
+    /// Creates a new login role for this database: no superuser, no `CREATEDB`, no
+    /// `CREATEROLE`, no memberships, and a random password (which its connect options carry,
+    /// so any `pg_hba.conf` method that takes a password works). It may connect, as `PUBLIC`
+    /// may; everything else is the test's to grant, as the database's owner.
+    ///
+    /// Roles belong to the whole server: the role is dropped when this value is, after the
+    /// database (which takes the role's privileges with it), and roles left by killed test
+    /// processes go with their databases.
+    pub async fn login_role(&self) -> Result<TestRole, Error> {
+        let name = {
+            let mut roles = self.roles.lock().unwrap_or_else(PoisonError::into_inner);
+            let name = format!("{}_r{}", self.name, roles.len());
+            roles.push(name.clone());
+            name
+        };
+        // Random enough for a role that lives as long as a test: two randomly keyed hashes.
+        let password = format!(
+            "{:016x}{:016x}",
+            RandomState::new().hash_one(&name),
+            RandomState::new().hash_one(&name)
+        );
+        let mut conn = PgConnection::connect_with(&self.maintenance)
+            .await
+            .context(|| "cannot connect to the maintenance database")?;
+        let sql = format!(
+            "CREATE ROLE {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOREPLICATION \
+             NOBYPASSRLS PASSWORD '{password}'",
+            quote_ident(&name)
+        );
+        let created = execute(&mut conn, &sql)
+            .await
+            .context(|| format!("cannot create the test role {name}"));
+        let _ = conn.close().await;
+        created?;
+        Ok(TestRole {
+            options: self.options.clone().username(&name).password(&password),
+            name,
         })
     }
 
@@ -130,11 +201,15 @@ impl TestDatabase {
     /// The pool connects lazily, so connection errors surface on first use.
     /// Call it inside the runtime the pool will be used on.
     pub async fn pool(&self, max_connections: u32) -> PgPool {
-        PgPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(ACQUIRE_TIMEOUT)
-            .connect_lazy_with(self.connect_options())
+        lazy_pool(self.connect_options(), max_connections)
     }
+}
+
+fn lazy_pool(options: PgConnectOptions, max_connections: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(ACQUIRE_TIMEOUT)
+        .connect_lazy_with(options)
 }
 
 impl Drop for TestDatabase {
@@ -150,6 +225,7 @@ impl Drop for TestDatabase {
         // runtime does the work.
         let maintenance = self.maintenance.clone();
         let name = std::mem::take(&mut self.name);
+        let roles = std::mem::take(self.roles.get_mut().unwrap_or_else(PoisonError::into_inner));
         let spawned = std::thread::Builder::new()
             .name("tower-inbox-testdb-drop".to_owned())
             .spawn(move || -> Result<(), Error> {
@@ -158,7 +234,7 @@ impl Drop for TestDatabase {
                     .build()
                     .context(|| "cannot build a runtime")?;
                 runtime.block_on(async {
-                    tokio::time::timeout(DROP_TIMEOUT, drop_database(&maintenance, &name))
+                    tokio::time::timeout(DROP_TIMEOUT, drop_database(&maintenance, &name, &roles))
                         .await
                         .map_err(|_| {
                             Error::msg(format!(
@@ -250,7 +326,13 @@ async fn connect_maintenance(server: &Server) -> Result<PgConnection, Error> {
         })
 }
 
-async fn drop_database(maintenance: &PgConnectOptions, name: &str) -> Result<(), Error> {
+/// Drops the database `name`, then `roles`: its privileges went with it, so nothing holds
+/// them any more.
+async fn drop_database(
+    maintenance: &PgConnectOptions,
+    name: &str,
+    roles: &[String],
+) -> Result<(), Error> {
     let mut conn = PgConnection::connect_with(maintenance)
         .await
         .context(|| "cannot connect to the maintenance database")?;
@@ -258,6 +340,12 @@ async fn drop_database(maintenance: &PgConnectOptions, name: &str) -> Result<(),
     execute(&mut conn, &sql)
         .await
         .context(|| "DROP DATABASE failed")?;
+    for role in roles {
+        let sql = format!("DROP ROLE IF EXISTS {}", quote_ident(role));
+        execute(&mut conn, &sql)
+            .await
+            .context(|| format!("DROP ROLE {role} failed"))?;
+    }
     let _ = conn.close().await;
     Ok(())
 }
@@ -298,6 +386,29 @@ async fn drop_stale_databases(conn: &mut PgConnection) {
         );
         if let Err(err) = execute(conn, &sql).await {
             eprintln!("tower-inbox-testdb: cannot drop stale test database {name}: {err}");
+        }
+    }
+    // Their roles (`<database>_r<n>`), whose privileges went with the databases.
+    let roles: Vec<String> = match sqlx::query_scalar(
+        r"SELECT rolname::text FROM pg_roles WHERE rolname LIKE 'tower\_inbox\_t\_%'",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    {
+        Ok(roles) => roles,
+        Err(err) => {
+            eprintln!("tower-inbox-testdb: cannot list stale test roles: {err}");
+            return;
+        }
+    };
+    for role in roles {
+        if !owner_pid(&role, TEST_DB_PREFIX).is_some_and(is_gone) {
+            continue;
+        }
+        if let Err(err) =
+            execute(conn, &format!("DROP ROLE IF EXISTS {}", quote_ident(&role))).await
+        {
+            eprintln!("tower-inbox-testdb: cannot drop stale test role {role}: {err}");
         }
     }
 }

@@ -2,7 +2,8 @@
 //! isolated throwaway databases.
 //!
 //! - [`TestDatabase::create`] gives each test a fresh database, dropped when
-//!   the value is dropped.
+//!   the value is dropped; [`TestDatabase::login_role`] adds a login role
+//!   that is neither superuser nor owner, for least-privilege tests.
 //! - [`app_database_url`] gives examples and benches a named database that
 //!   persists between runs.
 //! - [`server()`] tells which server is used and how it was found.
@@ -48,6 +49,6 @@ mod throwaway;
 
 pub use bouncer::{PgBouncer, PoolMode};
 pub use cluster::{Cluster, ClusterBuilder, LogMark};
-pub use database::{app_database_url, TestDatabase};
+pub use database::{app_database_url, TestDatabase, TestRole};
 pub use error::Error;
 pub use server::{server, Server, ServerKind};

@@ -1,5 +1,6 @@
 //! Shared by the integration tests: a fresh database per test, the credits service, and
 //! helpers that read the database invariants the tests assert.
+//! (Over 400 lines: the one support module every integration test shares.)
 #![allow(dead_code)]
 
 #[path = "../../examples/credits/app.rs"]
@@ -28,13 +29,24 @@ use sqlx::PgPool;
 use tokio::sync::Notify;
 use tower::ServiceExt;
 use tower_inbox::producer::TrustedHeader;
+use tower_inbox::schema::{grant_statements, Access, Schema};
 use tower_inbox::{InboxLayer, InboxLayerBuilder, InboxTx};
-use tower_inbox_testdb::{Cluster, TestDatabase};
+use tower_inbox_testdb::{Cluster, TestDatabase, TestRole};
 
-/// A fresh database with the inbox and credits schemas.
+/// A fresh database with the inbox and credits schemas, migrated by the owner, and the
+/// service's pool on a role that is neither superuser nor owner of anything the crate made.
 pub struct TestApp {
+    /// The service's pool: a login role of its own ([`TestDatabase::login_role`]) with only
+    /// what [`grant_service`] gives it. The handlers, layers, dispatchers, purgers and the
+    /// stats task of the tests run on it.
     pub pool: PgPool,
-    // Dropped last: it drops the database.
+    /// The owner's pool (the server's superuser, who ran the migrations): for a test's own
+    /// setup that needs more than the service may do (DDL or triggers on the crate's tables,
+    /// `ANALYZE`, `TRUNCATE`, ending other roles' sessions).
+    pub owner: PgPool,
+    /// The service's role.
+    pub role: TestRole,
+    // Dropped last: it drops the database, then the role.
     pub db: TestDatabase,
 }
 
@@ -50,18 +62,43 @@ impl TestApp {
 
     /// The schemas in `db`, e.g. a database of a private [`Cluster`] whose log a test reads.
     pub async fn on(db: TestDatabase, max_connections: u32) -> Self {
-        let pool = db.pool(max_connections).await;
-        credits::prepare(&pool).await.expect("schema");
-        Self { pool, db }
+        let owner = db.pool(max_connections).await;
+        credits::prepare(&owner).await.expect("schema");
+        let role = db.login_role().await.expect("service role");
+        grant_service(&owner, role.name()).await;
+        Self {
+            pool: role.pool(max_connections),
+            owner,
+            role,
+            db,
+        }
     }
 
-    /// Another pool to the same database whose sessions start with `settings`
-    /// (`lock_timeout`, `statement_timeout`, ...).
+    /// Sets `setting` to `value` (a SQL literal) for the database's new sessions, as the
+    /// owner (`ALTER DATABASE`, which the service's role may not run; some settings, such as
+    /// `deadlock_timeout`, only a superuser may set). Sessions opened before keep theirs.
+    pub async fn set_for_new_sessions(&self, setting: &str, value: &str) {
+        let sql = format!(
+            "alter database \"{}\" set {setting} = {value}",
+            self.db.name()
+        );
+        sqlx::query(&sql)
+            .execute(&self.owner)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+
+    /// Another pool of the service's role to the same database whose sessions start with
+    /// `settings` (`lock_timeout`, `statement_timeout`, ...).
     pub fn pool_with(&self, max_connections: u32, settings: &[(&str, &str)]) -> PgPool {
         PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(30))
-            .connect_lazy_with(self.db.connect_options().options(settings.iter().copied()))
+            .connect_lazy_with(
+                self.role
+                    .connect_options()
+                    .options(settings.iter().copied()),
+            )
     }
 
     /// The credits service exactly as the example serves it.
@@ -174,6 +211,30 @@ impl TestApp {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
         panic!("no failure record with {attempts} attempts for {producer}/{key}");
+    }
+}
+
+/// Gives `role` what the README's least-privilege section gives a service that runs its own
+/// purge, as the owner (`owner`): the crate's grants for the default schema, the credits
+/// example's tables, and `CREATE` on `public` for the business tables tests make for their
+/// handlers (the application's side, owned by the service there). It also revokes `EXECUTE`
+/// on the outbox's trigger function from `PUBLIC`, so the suite shows that a trigger's
+/// function needs no grant.
+pub async fn grant_service(owner: &PgPool, role: &str) {
+    let crate_grants = grant_statements(&Schema::default(), role, Access::ServiceAndPurge)
+        .expect("grant statements");
+    let application = [
+        format!(
+            "grant select, insert, update, delete on credit_account, credit_ledger to \"{role}\""
+        ),
+        format!("grant create on schema public to \"{role}\""),
+        "revoke execute on function tower_inbox.tower_inbox_outbox_notify() from public".to_owned(),
+    ];
+    for statement in crate_grants.iter().chain(&application) {
+        sqlx::query(statement)
+            .execute(owner)
+            .await
+            .unwrap_or_else(|e| panic!("{statement}: {e}"));
     }
 }
 

@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 mod database;
+mod grant;
 mod inspect;
 mod migrate;
 mod outbox;
@@ -75,6 +76,9 @@ enum Command {
     Outbox(outbox::Command),
     /// The retention purge: what would go (--dry-run), or delete it (--yes).
     Purge(purge::Purge),
+    /// Grants a role what the service needs (--purge: and the purge), nothing else; run as
+    /// the tables' owner, or print the statements with --dry-run.
+    Grant(grant::Grant),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -104,8 +108,20 @@ async fn run(cli: Cli, origin: &'static str) -> Result<(), Failure> {
         Command::Inspect(args) => inspect::check(args)?,
         Command::Quarantine(command) => quarantine::check(command)?,
         Command::Outbox(command) => outbox::check(command)?,
-        Command::Migrate { .. } | Command::Status { .. } => {}
+        Command::Migrate { .. } | Command::Status { .. } | Command::Grant(_) => {}
     }
+    // A dry run of `grant` only prints: no database needed.
+    let grants = match &cli.command {
+        Command::Grant(args) => {
+            let statements = grant::statements(args, &cli.schema)?;
+            if args.dry_run {
+                grant::print(&statements);
+                return Ok(());
+            }
+            statements
+        }
+        _ => Vec::new(),
+    };
     let db = database::connect(cli.database_url.as_deref(), origin, &cli.schema).await?;
     match cli.command {
         Command::Migrate { dry_run } => migrate::run(&db, dry_run).await,
@@ -114,5 +130,6 @@ async fn run(cli: Cli, origin: &'static str) -> Result<(), Failure> {
         Command::Quarantine(command) => quarantine::run(&db, command).await,
         Command::Outbox(command) => outbox::run(&db, command).await,
         Command::Purge(args) => purge::run(&db, args).await,
+        Command::Grant(args) => grant::run(&db, &args, &grants).await,
     }
 }
