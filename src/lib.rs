@@ -107,6 +107,7 @@
 pub mod body;
 #[cfg(feature = "client")]
 pub mod client;
+mod connection;
 pub mod consumer;
 mod db;
 mod extract;

@@ -1,7 +1,7 @@
 //! Whatever the claim answers — claimed, duplicate, conflict, in progress, a database error,
 //! or a claim cancelled while it waits — the connection it used must go back to the pool
-//! outside any transaction (a duplicate's empty transaction is dropped, and sqlx rolls it
-//! back before the connection is used again), a waiting claim must hold no connection, and
+//! outside any transaction (a duplicate's empty transaction is dropped, and rolled back in a
+//! task of its own before the connection goes back), a waiting claim must hold no connection, and
 //! the answer must carry the recorded row exactly.
 //!
 //! Each test gives the inbox a pool of one connection, so the next statement on that pool

@@ -12,6 +12,7 @@ use super::{
     entry, message, seen, sql, Claim, ClaimedMessage, Inbox, InboxError, RetryReason,
     VANISHED_ATTEMPTS,
 };
+use crate::connection::{within, OwnedTx};
 use crate::fingerprint::Fingerprint;
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::metrics as m;
@@ -82,17 +83,16 @@ impl Inbox {
         let read_sql = self.schema.sql(sql::LOOKUP_OR_BUSY);
         let mut vanished = 0;
         loop {
-            let mut tx = self
-                .pool
-                .begin_with(self.isolation.begin())
+            let mut tx = OwnedTx::begin(&self.pool, self.isolation.begin(), self.deadline)
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
-            let claimed = bind_identity!(sqlx::query(&claim_sql), &identity)
+            let claim = bind_identity!(sqlx::query(&claim_sql), &identity)
                 .bind(&fingerprint_hex)
                 .bind(handler_version.as_bytes())
                 .bind(lock.0)
                 .bind(lock.1)
-                .fetch_optional(&mut *tx)
+                .fetch_optional(&mut *tx);
+            let claimed = within(self.deadline, claim)
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
             *timed = true;
@@ -107,15 +107,16 @@ impl Inbox {
             }
             // Taken: by a committed row, or by a claim in flight. A read in the same
             // transaction (a new snapshot) tells which.
-            let row = bind_identity!(sqlx::query(&read_sql), &identity)
+            let read = bind_identity!(sqlx::query(&read_sql), &identity)
                 .bind(lock.0)
                 .bind(lock.1)
-                .fetch_one(&mut *tx)
+                .fetch_one(&mut *tx);
+            let row = within(self.deadline, read)
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
             // Nothing was written: dropping the transaction rolls it back (and releases the
-            // key's lock) when the connection is next used, which the pool does at once on
-            // release, so the duplicate pays no round trip for its ROLLBACK.
+            // key's lock) in a task of its own, so the duplicate's answer does not wait for
+            // its ROLLBACK.
             drop(tx);
             if let Some(entry) = entry::entry_from_row(&row)? {
                 return Ok(seen(entry, &fingerprint));
@@ -220,7 +221,7 @@ impl Inbox {
         let row = bind_identity!(sqlx::query(&sql), identity)
             .bind(lock.0)
             .bind(lock.1)
-            .fetch_one(&self.pool)
+            .fetch_one(self.guarded())
             .await
             .map_err(|e| self.failed(identity.consumer(), e))?;
         if let Some(entry) = entry::entry_from_row(&row)? {
@@ -241,9 +242,7 @@ impl Inbox {
         handler_version: &str,
         wait: Duration,
     ) -> Result<ClaimedMessage, InboxError> {
-        let tx = self
-            .pool
-            .begin_with(self.isolation.begin())
+        let tx = OwnedTx::begin(&self.pool, self.isolation.begin(), self.deadline)
             .await
             .map_err(|e| self.failed(identity.consumer(), e))?;
         let at_commit = message::ClaimAtCommit {

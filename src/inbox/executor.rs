@@ -32,7 +32,7 @@ impl<'c> Executor<'c> for &'c mut ClaimedMessage {
         E: 'q + Execute<'q, Postgres>,
     {
         let ClaimedMessage { tx, retry, .. } = self;
-        let conn: &'c mut PgConnection = tx;
+        let conn: &'c mut PgConnection = &mut *tx;
         conn.fetch_many(query)
             .map(move |item| {
                 if let Err(err) = &item {
@@ -52,7 +52,7 @@ impl<'c> Executor<'c> for &'c mut ClaimedMessage {
         E: 'q + Execute<'q, Postgres>,
     {
         let ClaimedMessage { tx, retry, .. } = self;
-        let conn: &'c mut PgConnection = tx;
+        let conn: &'c mut PgConnection = &mut *tx;
         async move {
             let row = conn.fetch_optional(query).await;
             if let Err(err) = &row {

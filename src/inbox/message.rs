@@ -3,13 +3,14 @@
 use std::time::{Duration, Instant};
 
 use sqlx::postgres::PgConnection;
-use sqlx::{Postgres, Row, Transaction};
+use sqlx::Row;
 use time::OffsetDateTime;
 use tracing::Instrument;
 
 use super::entry::{response_binds, seen, Claim, RecordedResponse};
 use super::executor::watch;
 use super::{count_claim, sql, ClaimLock, Inbox, InboxError, RetryReason, Settled};
+use crate::connection::{within, OwnedTx};
 use crate::fingerprint::Fingerprint;
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::metrics as m;
@@ -29,10 +30,12 @@ use crate::schema::Schema;
 /// of them fails with `40001` or `40P01`.
 ///
 /// Dropping it without [`commit`](Self::commit) rolls the claim back with everything written
-/// on it, so a retry can process the message again.
+/// on it, so a retry can process the message again: in a task of its own, within the
+/// inbox's [statement deadline](Inbox::with_statement_deadline), or by closing the
+/// connection when the rollback does not get through.
 #[derive(Debug)]
 pub struct ClaimedMessage {
-    pub(super) tx: Transaction<'static, Postgres>,
+    pub(super) tx: OwnedTx,
     identity: MessageIdentity,
     pub(super) retry: Option<RetryReason>,
     inbox: Inbox,
@@ -69,7 +72,7 @@ pub(crate) enum Finished {
 
 impl ClaimedMessage {
     pub(super) fn new(
-        tx: Transaction<'static, Postgres>,
+        tx: OwnedTx,
         identity: MessageIdentity,
         inbox: Inbox,
         claimed: Claimed,
@@ -133,7 +136,7 @@ impl ClaimedMessage {
     where
         F: AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
     {
-        let result = f(&mut self.tx).await;
+        let result = f(&mut *self.tx).await;
         if let Err(err) = &result {
             watch(&mut self.retry, err);
         }
@@ -220,12 +223,13 @@ impl ClaimedMessage {
         let failed_before = match &self.claimed {
             Claimed::First { failed_before } => {
                 let sql = self.inbox.schema().sql(sql::RECORD);
-                let recorded = bind_identity!(sqlx::query(&sql), &self.identity)
+                let record = bind_identity!(sqlx::query(&sql), &self.identity)
                     .bind(status)
                     .bind(names)
                     .bind(values)
                     .bind(body)
-                    .fetch_optional(&mut *self.tx)
+                    .fetch_optional(&mut *self.tx);
+                let recorded = within(self.inbox.deadline, record)
                     .await
                     .map_err(InboxError::classify)?;
                 if recorded.is_none() {
@@ -239,7 +243,7 @@ impl ClaimedMessage {
                 let lock = ClaimLock::of(self.inbox.schema(), &self.identity);
                 let sql = self.inbox.schema().sql(sql::CLAIM_AT_COMMIT);
                 let started = Instant::now();
-                let claimed = bind_identity!(sqlx::query(&sql), &self.identity)
+                let claim_now = bind_identity!(sqlx::query(&sql), &self.identity)
                     .bind(claim.fingerprint.to_hex())
                     .bind(claim.handler_version.as_bytes())
                     .bind(lock.0)
@@ -248,7 +252,8 @@ impl ClaimedMessage {
                     .bind(names)
                     .bind(values)
                     .bind(body)
-                    .fetch_optional(&mut *self.tx)
+                    .fetch_optional(&mut *self.tx);
+                let claimed = within(self.inbox.deadline, claim_now)
                     .await
                     .map_err(InboxError::classify);
                 m::observe_seconds(
@@ -273,9 +278,10 @@ impl ClaimedMessage {
         if failed_before {
             let item_key = identity_item_key(QuarantineSource::HandlerFailure, &self.identity, "");
             let sql = self.inbox.schema().sql(sql::RECOVER);
-            recovered = sqlx::query(&sql)
+            let recover = sqlx::query(&sql)
                 .bind(item_key.as_bytes())
-                .execute(&mut *self.tx)
+                .execute(&mut *self.tx);
+            recovered = within(self.inbox.deadline, recover)
                 .await
                 .map_err(InboxError::classify)?
                 .rows_affected();
@@ -296,12 +302,12 @@ impl ClaimedMessage {
         produced_at: OffsetDateTime,
         window: Duration,
     ) -> Result<(bool, OffsetDateTime), InboxError> {
-        sqlx::query_as(sql::EXPIRED)
+        let deadline = self.inbox.deadline;
+        let read = sqlx::query_as(sql::EXPIRED)
             .bind(produced_at)
             .bind(window.as_secs_f64())
-            .fetch_one(&mut *self.tx)
-            .await
-            .map_err(InboxError::classify)
+            .fetch_one(&mut *self.tx);
+        within(deadline, read).await.map_err(InboxError::classify)
     }
 
     /// Rolls back the claim and everything written in its transaction.

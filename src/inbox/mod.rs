@@ -53,9 +53,11 @@ pub(crate) mod sql;
 mod waiters;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::postgres::PgPool;
 
+use crate::connection::{Guarded, DEFAULT_STATEMENT_DEADLINE};
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::metrics::MetricLabels;
 use crate::schema::Schema;
@@ -91,6 +93,9 @@ pub struct Inbox {
     /// How often keys were found taken lately, for [`LookupFirst::Adaptive`].
     taken: Arc<TakenShare>,
     waiters: Arc<Waiters>,
+    /// How long each of the inbox's own statements may take (see
+    /// [`with_statement_deadline`](Self::with_statement_deadline)).
+    deadline: Duration,
 }
 
 impl Inbox {
@@ -109,6 +114,7 @@ impl Inbox {
             lookup: LookupFirst::default(),
             taken: Arc::new(TakenShare::new()),
             waiters: Arc::new(Waiters::new(limit)),
+            deadline: DEFAULT_STATEMENT_DEADLINE,
         }
     }
 
@@ -172,6 +178,34 @@ impl Inbox {
         self
     }
 
+    /// How long each statement the inbox sends may wait for its answer (default 10 s): its
+    /// claim, record and `COMMIT`, its reads and its failure records. A statement past it
+    /// fails as on a lost connection (a re-run is safe; a `COMMIT`'s outcome is unknown,
+    /// [`InboxError::OutcomeUnknown`]), and its connection is closed rather than returned to
+    /// the pool. This is what frees a service from a half-open connection (a network
+    /// partition, a vanished database host) whose statements would otherwise never end and
+    /// whose return to the pool would never complete. Statements a handler runs on the
+    /// transaction are its own; if its future is dropped (the client gave up), the
+    /// transaction is rolled back within this deadline, or its connection closed.
+    ///
+    /// Keep it well above the slowest statement of a healthy database (a `COMMIT` waiting
+    /// for a synchronous standby included) and below the time clients wait for an answer.
+    /// A zero deadline is taken as one millisecond.
+    pub fn with_statement_deadline(mut self, deadline: Duration) -> Self {
+        self.deadline = deadline.max(Duration::from_millis(1));
+        self
+    }
+
+    /// How long each statement the inbox sends may wait for its answer.
+    pub fn statement_deadline(&self) -> Duration {
+        self.deadline
+    }
+
+    /// The pool as an executor whose statements run within the deadline.
+    pub(crate) fn guarded(&self) -> Guarded<'_> {
+        Guarded::new(&self.pool, self.deadline)
+    }
+
     /// Counts a message whose key was (or was not) found taken, for the default lookup
     /// decision.
     pub(crate) fn observe_taken(&self, taken: bool) {
@@ -213,7 +247,7 @@ impl Inbox {
     ) -> Result<Option<InboxEntry>, InboxError> {
         let sql = self.schema.sql(sql::LOOKUP);
         let row = bind_identity!(sqlx::query(&sql), identity)
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.guarded())
             .await
             .map_err(|e| self.failed(identity.consumer(), e))?;
         match row {

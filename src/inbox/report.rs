@@ -56,7 +56,7 @@ impl Inbox {
     /// `pg_read_all_stats`. A consumer with none is reported with zero.
     pub async fn claims_in_flight(&self, consumers: &[&str]) -> Result<Vec<InFlight>, InboxError> {
         let rows: Vec<(i64, i64, f64)> = sqlx::query_as(sql::CLAIMS_IN_FLIGHT)
-            .fetch_all(&self.pool)
+            .fetch_all(self.guarded())
             .await
             .map_err(InboxError::classify)?;
         Ok(consumers
@@ -117,7 +117,7 @@ impl Inbox {
     ) -> Result<Option<PgRow>, InboxError> {
         let sql = self.schema.sql(template);
         bind_identity!(sqlx::query(&sql), identity)
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.guarded())
             .await
             .map_err(|e| self.failed(identity.consumer(), e))
     }

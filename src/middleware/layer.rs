@@ -79,6 +79,7 @@ impl InboxLayer {
             lookup_before_claim: None,
             schema: Schema::default(),
             waiting_keys_limit: None,
+            statement_deadline: None,
         }
     }
 }
@@ -225,6 +226,7 @@ pub struct InboxLayerBuilder<P = HasProducer> {
     lookup_before_claim: Option<bool>,
     schema: Schema,
     waiting_keys_limit: Option<usize>,
+    statement_deadline: Option<Duration>,
 }
 
 impl<P> InboxLayerBuilder<P> {
@@ -236,6 +238,17 @@ impl<P> InboxLayerBuilder<P> {
     /// client retrying in a loop cannot hold the pool other clients need.
     pub fn waiting_keys_limit(mut self, keys: usize) -> Self {
         self.waiting_keys_limit = Some(keys);
+        self
+    }
+
+    /// How long each of the layer's own statements (claim, record, `COMMIT`, reads) may wait
+    /// for its answer (default 10 s). Past it the statement fails as on a lost connection:
+    /// the transaction is run again on a new connection, or a `COMMIT` is answered 503 with
+    /// its outcome unknown and a retry safe; the connection is closed, never returned to
+    /// the pool. This is what frees a service from half-open connections. See
+    /// [`Inbox::with_statement_deadline`](crate::inbox::Inbox::with_statement_deadline).
+    pub fn statement_deadline(mut self, deadline: Duration) -> Self {
+        self.statement_deadline = Some(deadline);
         self
     }
 
@@ -379,6 +392,7 @@ impl<P> InboxLayerBuilder<P> {
             lookup_before_claim: self.lookup_before_claim,
             schema: self.schema,
             waiting_keys_limit: self.waiting_keys_limit,
+            statement_deadline: self.statement_deadline,
         }
     }
 
@@ -505,6 +519,9 @@ impl InboxLayerBuilder<HasProducer> {
         }
         if let Some(keys) = self.waiting_keys_limit {
             inbox = inbox.with_waiting_keys_limit(keys);
+        }
+        if let Some(deadline) = self.statement_deadline {
+            inbox = inbox.with_statement_deadline(deadline);
         }
         Ok(InboxLayer {
             config: Arc::new(InboxConfig {

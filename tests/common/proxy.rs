@@ -1,6 +1,7 @@
 //! A TCP proxy between a client and its server (the pool and PostgreSQL, a consumer and its
 //! broker) that can cut a connection at a chosen message, or every open connection at once,
-//! and delay every message: the network failing in the middle of the protocol, on purpose.
+//! stall every open connection (half-open: nothing passes, nothing closes), and delay every
+//! message: the network failing in the middle of the protocol, on purpose.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -18,6 +19,9 @@ pub enum Cut {
     /// The server gets the message but its answer never comes back (a `COMMIT` that
     /// committed, unbeknown to the client).
     After,
+    /// Nothing passes any more, the message included, and nothing closes: the connection
+    /// goes half-open at that message (a `COMMIT` that never arrives, and no one is told).
+    Stall,
 }
 
 struct Armed {
@@ -34,6 +38,8 @@ pub struct Proxy {
     cuts: Arc<Notify>,
     /// Bumped by [`cut_all`](Proxy::cut_all): every relay open at the time ends.
     generation: watch::Sender<u64>,
+    /// Bumped by [`stall_all`](Proxy::stall_all): every relay open at the time stalls.
+    stalls: watch::Sender<u64>,
     accepted: Arc<AtomicUsize>,
     /// Microseconds every chunk waits before it is passed on, either way.
     latency: Arc<AtomicU64>,
@@ -46,12 +52,14 @@ impl Proxy {
         let armed: Arc<Mutex<Option<Armed>>> = Arc::default();
         let cuts = Arc::new(Notify::new());
         let (generation, _) = watch::channel(0u64);
+        let (stalls, _) = watch::channel(0u64);
         let accepted = Arc::new(AtomicUsize::new(0));
         let latency = Arc::new(AtomicU64::new(0));
-        let (a, c, g, n, l) = (
+        let (a, c, g, s, n, l) = (
             armed.clone(),
             cuts.clone(),
             generation.clone(),
+            stalls.clone(),
             accepted.clone(),
             latency.clone(),
         );
@@ -62,7 +70,8 @@ impl Proxy {
                 };
                 n.fetch_add(1, Ordering::SeqCst);
                 let mut killed = g.subscribe();
-                let relay = relay(client, server, a.clone(), c.clone(), l.clone());
+                let stalled = s.subscribe();
+                let relay = relay(client, server, a.clone(), c.clone(), l.clone(), stalled);
                 tokio::spawn(async move {
                     tokio::select! {
                         () = relay => {}
@@ -76,9 +85,20 @@ impl Proxy {
             armed,
             cuts,
             generation,
+            stalls,
             accepted,
             latency,
         }
+    }
+
+    /// A proxy in front of the PostgreSQL server `options` name.
+    pub async fn in_front_of(options: &sqlx::postgres::PgConnectOptions) -> Self {
+        let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
+            .await
+            .expect("resolve the database server")
+            .next()
+            .expect("an address of the database server");
+        Self::start(upstream).await
     }
 
     /// Delays every chunk of data by `latency` before passing it on, both ways, on every
@@ -94,6 +114,17 @@ impl Proxy {
     pub fn cut_all(&self) -> usize {
         let open = self.generation.receiver_count();
         self.generation.send_modify(|g| *g += 1);
+        open
+    }
+
+    /// Stops forwarding on every connection open now, both ways, without closing either
+    /// side: a half-open connection, as after a network partition or a peer host that
+    /// vanished, where neither end hears of it. Returns how many that was; the sockets stay
+    /// open until [`cut_all`](Self::cut_all) or the end of the test, and connections made
+    /// afterwards are forwarded as before.
+    pub fn stall_all(&self) -> usize {
+        let open = self.stalls.receiver_count();
+        self.stalls.send_modify(|g| *g += 1);
         open
     }
 
@@ -144,6 +175,7 @@ async fn relay(
     armed: Arc<Mutex<Option<Armed>>>,
     cuts: Arc<Notify>,
     latency: Arc<AtomicU64>,
+    mut stalled: watch::Receiver<u64>,
 ) {
     let delay = || async {
         let micros = latency.load(Ordering::SeqCst);
@@ -175,6 +207,10 @@ async fn relay(
             if cut.is_some() {
                 *cutting.lock().unwrap() = cut;
             }
+            if cut == Some(Cut::Stall) {
+                cuts.notify_one();
+                std::future::pending::<()>().await;
+            }
             delay().await;
             if cut == Some(Cut::Before) || server_write.write_all(chunk).await.is_err() {
                 return;
@@ -184,12 +220,15 @@ async fn relay(
     let to_client = async {
         let mut buf = vec![0u8; 64 * 1024];
         loop {
-            let n = match server_read.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => n,
-            };
-            if *cutting.lock().unwrap() == Some(Cut::After) {
-                return;
+            // Zero once the server's side has ended.
+            let n = server_read.read(&mut buf).await.unwrap_or(0);
+            let cut = *cutting.lock().unwrap();
+            match cut {
+                Some(Cut::After) => return,
+                // Half-open at the armed message: even the server's end is not passed on.
+                Some(Cut::Stall) => std::future::pending::<()>().await,
+                _ if n == 0 => return,
+                _ => {}
             }
             delay().await;
             if client_write.write_all(&buf[..n]).await.is_err() {
@@ -197,9 +236,16 @@ async fn relay(
             }
         }
     };
-    tokio::select! {
-        () = to_server => {}
-        () = to_client => {}
+    let stalls = tokio::select! {
+        () = to_server => false,
+        () = to_client => false,
+        _ = stalled.changed() => true,
+    };
+    if stalls {
+        // Half-open: both sockets stay open and nothing is read or written any more. Its
+        // receiver goes, so the next stall counts only connections still forwarding.
+        drop(stalled);
+        std::future::pending::<()>().await;
     }
     // Either side ending ends both: the connection is gone for the client.
     drop(client);

@@ -10,7 +10,7 @@
 //! | [`kill_loop`] | the service process, SIGKILLed at random points and started again |
 //! | [`backends`] | the service's database sessions, ended with `pg_terminate_backend`, some during `COMMIT` |
 //! | [`database_crash`] | PostgreSQL itself (`pg_ctl stop -m immediate`), started again under load |
-//! | [`network`] | the network between service and database: latency, every connection cut, the answer to `COMMIT` dropped |
+//! | [`network`] | the network between service and database: latency, every connection cut, the answer to `COMMIT` dropped, connections left half-open |
 //! | [`failover`] | the primary, SIGKILLed; its synchronous standby promoted and PgBouncer (the service's one address) pointed at it |
 //! | [`instances`] | three instances on one database behind round-robin clients, each with its dispatcher: instances SIGKILLed, sessions ended |
 //!

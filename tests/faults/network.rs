@@ -1,7 +1,7 @@
 //! The network between the service and PostgreSQL fails: added latency, every connection
-//! cut at once, a `COMMIT` that never reaches the server, and the answer to a `COMMIT`
-//! that did (the service cannot know whether it committed). A TCP proxy in the test does
-//! it ([`Proxy`]).
+//! cut at once, a `COMMIT` that never reaches the server, the answer to a `COMMIT` that did
+//! (the service cannot know whether it committed), and half-open connections that stop
+//! forwarding without closing. A TCP proxy in the test does it ([`Proxy`]).
 
 use std::time::Duration;
 
@@ -11,22 +11,23 @@ use crate::checker::check;
 use crate::common::proxy::{Cut, Proxy};
 use crate::{scaled, under_load};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn latency_cuts_and_lost_commit_answers() {
-    let db = TestDatabase::create().await.expect("a test database");
+/// The test database, and its URL through a new proxy.
+async fn behind_proxy(db: &TestDatabase) -> (Proxy, String) {
     let options = db.connect_options();
-    let upstream = tokio::net::lookup_host((options.get_host(), options.get_port()))
-        .await
-        .expect("resolve the database server")
-        .next()
-        .expect("an address of the database server");
-    let proxy = Proxy::start(upstream).await;
+    let proxy = Proxy::in_front_of(&options).await;
     let through_proxy = format!(
         "postgres://{}@{}/{}",
         options.get_username(),
         proxy.addr(),
         options.get_database().expect("the test database's name")
     );
+    (proxy, through_proxy)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latency_cuts_and_lost_commit_answers() {
+    let db = TestDatabase::create().await.expect("a test database");
+    let (proxy, through_proxy) = behind_proxy(&db).await;
     let (receiver, _service, load, mut rng) = under_load("network", &through_proxy, "net").await;
 
     let rounds = scaled(6, 60);
@@ -61,4 +62,52 @@ async fn latency_cuts_and_lost_commit_answers() {
         proxy.connections()
     );
     check("network", &faults, &pool, &records, &receiver).await;
+}
+
+/// Every connection between service and database stops forwarding at once and never closes,
+/// neither end hearing of it: statements in flight get no answer, `COMMIT`s included, and
+/// the pool's idle connections are dead too. The service must give up on them (its
+/// statement deadline), close them rather than return them to its pool, and serve on new
+/// connections; the server ends the stalled sessions' transactions, which hold the claims
+/// of the commands they ran, after `idle_in_transaction_session_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_open_connections() {
+    let db = TestDatabase::create().await.expect("a test database");
+    let pool = db.pool(4).await;
+    let database = db.connect_options();
+    let database = database.get_database().expect("the test database's name");
+    sqlx::query(&format!(
+        "alter database \"{database}\" set idle_in_transaction_session_timeout = '3s'"
+    ))
+    .execute(&pool)
+    .await
+    .expect("set the idle-in-transaction timeout");
+    let (proxy, through_proxy) = behind_proxy(&db).await;
+    let (receiver, _service, load, mut rng) =
+        under_load("half-open", &through_proxy, "stall").await;
+
+    let rounds = scaled(3, 20);
+    let (mut stalled, mut commits_stalled) = (0, 0);
+    for _ in 0..rounds {
+        tokio::time::sleep(rng.millis(500, 1500)).await;
+        // One connection goes half-open as it sends a COMMIT: the service cannot know
+        // whether it committed (it did not), and answers 503 with a retry safe.
+        proxy.arm(b"COMMIT", Cut::Stall);
+        proxy.cut_done().await;
+        commits_stalled += 1;
+        tokio::time::sleep(rng.millis(200, 600)).await;
+        stalled += proxy.stall_all();
+        // The stalled connections stay stalled: statements in flight on them, and those sent
+        // on them later from the pool, meet the service's statement deadline (10 s).
+        tokio::time::sleep(rng.millis(2000, 4000)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let records = load.stop().await;
+
+    let faults = format!(
+        "{rounds} rounds; {commits_stalled} connections left half-open at a COMMIT, \
+         {stalled} more all at once (never closed); {} connections made through the proxy",
+        proxy.connections()
+    );
+    check("half-open", &faults, &pool, &records, &receiver).await;
 }

@@ -49,7 +49,7 @@ impl<T: Transport> Dispatcher<T> {
                 .bind(effect.effect_id.as_str())
                 .bind(token)
                 .bind(self.settings.lease.as_secs_f64())
-                .fetch_optional(&self.pool)
+                .fetch_optional(self.db())
                 .await;
         match started {
             Ok(Some(attempt)) => effect.attempt = attempt,
@@ -117,7 +117,7 @@ impl<T: Transport> Dispatcher<T> {
                     .bind(status.map(i32::from))
                     .bind(result)
                     .bind(effect_item_key(id.as_str()))
-                    .fetch_one(&self.pool)
+                    .fetch_one(self.db())
                     .await;
                 match row {
                     Ok(row) => {
@@ -195,7 +195,7 @@ impl<T: Transport> Dispatcher<T> {
             .bind(status.map(i32::from))
             .bind(effect_item_key(id.as_str()))
             .bind(&reason_code)
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.db())
             .await?;
         if let Some((_, opened)) = item {
             ::metrics::counter!(m::OUTBOX_DEAD_LETTERS, "effect" => effect.effect_name.clone(), "reason" => reason_code)
@@ -222,7 +222,7 @@ impl<T: Transport> Dispatcher<T> {
         ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
     {
         let query = bind(sqlx::query(statement).bind(id.as_str()).bind(token));
-        Ok(query.execute(&self.pool).await?.rows_affected())
+        Ok(query.execute(self.db()).await?.rows_affected())
     }
 
     pub(super) fn backoff(&self, attempt: i32) -> Duration {

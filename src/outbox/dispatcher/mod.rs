@@ -12,6 +12,8 @@ use std::time::Duration;
 
 use futures_util::stream::{self, StreamExt};
 use sqlx::postgres::PgListener;
+
+use crate::connection::{Guarded, DEFAULT_STATEMENT_DEADLINE};
 use sqlx::PgPool;
 
 use super::Transport;
@@ -182,6 +184,13 @@ impl<T: Transport> Dispatcher<T> {
         }
     }
 
+    /// The pool for the dispatcher's own statements: each within the crate's statement
+    /// deadline (10 s), on a connection closed rather than returned if it misses it, so a
+    /// half-open connection cannot stop the deliveries for good.
+    fn db(&self) -> Guarded<'_> {
+        Guarded::new(&self.pool, DEFAULT_STATEMENT_DEADLINE)
+    }
+
     async fn listen(&self) -> Option<PgListener> {
         let result = async {
             let mut listener = PgListener::connect_with(&self.pool).await?;
@@ -202,7 +211,7 @@ impl<T: Transport> Dispatcher<T> {
         let poll = self.settings.poll_interval;
         let next: Result<Option<f64>, _> =
             sqlx::query_scalar(&self.settings.schema.sql(sql::NEXT_DUE))
-                .fetch_one(&self.pool)
+                .fetch_one(self.db())
                 .await;
         match next {
             Ok(Some(secs)) if secs.is_finite() => {
@@ -225,7 +234,7 @@ impl<T: Transport> Dispatcher<T> {
             .bind(self.settings.batch_size)
             .bind(&token)
             .bind(self.settings.lease.as_secs_f64())
-            .fetch_all(&self.pool)
+            .fetch_all(self.db())
             .await
             .map_err(OutboxError::from)?;
         let mut report = DispatchReport {

@@ -1,0 +1,272 @@
+//! The connections the crate's own statements run on: each statement gets an answer within a
+//! deadline, and a connection whose state is unknown is closed, never returned to the pool.
+//!
+//! A connection can go half-open: a network partition, or a database host that vanished,
+//! leaves both ends open with nothing passing and neither end told. A statement on it waits
+//! for ever, and so does the pool when the connection comes back to it: sqlx pings a
+//! returned connection (and sends the rollback a dropped transaction left queued), with no
+//! limit of its own, and the pool's slot is held while it waits. A few half-open connections
+//! would take a service's whole pool for good. So every statement the crate sends runs
+//! within a deadline, and a connection that missed one, or was dropped in the middle of a
+//! statement or a transaction, is closed (sqlx's documented `PoolConnection::close_on_drop`):
+//! the pool opens a new one, and the server ends the old session's transaction when it hears
+//! of the close, or after `idle_in_transaction_session_timeout` when it cannot.
+
+use std::ops::{Deref, DerefMut};
+use std::time::Duration;
+
+use futures_util::future::BoxFuture;
+use futures_util::stream::{self, BoxStream, StreamExt};
+use futures_util::FutureExt;
+use sqlx::pool::PoolConnection;
+use sqlx::postgres::{PgConnection, PgQueryResult, PgRow, PgTypeInfo};
+use sqlx::{Database, Describe, Either, Execute, Executor, PgPool, Postgres};
+
+/// The deadline of a statement the crate sends, unless configured otherwise: far above any
+/// statement's normal time (they are single-row reads and writes), well below the time a
+/// client waits for its answer.
+pub(crate) const DEFAULT_STATEMENT_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The error a statement that got no answer within `deadline` fails with: an I/O error, so
+/// it is classified as a lost connection (a re-run on a new connection is safe, and a lost
+/// `COMMIT` has an unknown outcome).
+pub(crate) fn timed_out(deadline: Duration) -> sqlx::Error {
+    sqlx::Error::Io(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!(
+            "no answer from the database within {} ms; the connection is closed",
+            deadline.as_millis()
+        ),
+    ))
+}
+
+/// Runs `statement`, failing with [`timed_out`] if it has not finished within `deadline`.
+pub(crate) async fn within<T>(
+    deadline: Duration,
+    statement: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, sqlx::Error> {
+    tokio::time::timeout(deadline, statement)
+        .await
+        .unwrap_or_else(|_| Err(timed_out(deadline)))
+}
+
+/// A pooled connection that goes back to the pool only once marked [`clean`](Self::clean),
+/// and is closed otherwise.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    conn: PoolConnection<Postgres>,
+    clean: bool,
+}
+
+impl Lease {
+    pub(crate) async fn acquire(pool: &PgPool) -> Result<Self, sqlx::Error> {
+        Ok(Self {
+            conn: pool.acquire().await?,
+            clean: false,
+        })
+    }
+
+    /// Marks the connection as between statements and outside any transaction: dropped, it
+    /// goes back to the pool.
+    pub(crate) fn clean(&mut self) {
+        self.clean = true;
+    }
+}
+
+impl Deref for Lease {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.conn
+    }
+}
+
+impl DerefMut for Lease {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        &mut self.conn
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if !self.clean {
+            self.conn.close_on_drop();
+        }
+    }
+}
+
+/// The pool as an executor for autocommit statements: each one on a [`Lease`], within the
+/// deadline. The rows are read in full before the first is handed on (the crate's
+/// statements return a bounded number), so the connection is back in the pool, or closed,
+/// by then.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Guarded<'p> {
+    pub(crate) pool: &'p PgPool,
+    pub(crate) deadline: Duration,
+}
+
+impl<'p> Guarded<'p> {
+    pub(crate) fn new(pool: &'p PgPool, deadline: Duration) -> Self {
+        Self { pool, deadline }
+    }
+}
+
+impl<'c> Executor<'c> for Guarded<'c> {
+    type Database = Postgres;
+
+    fn fetch_many<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> BoxStream<'e, Result<Either<PgQueryResult, PgRow>, sqlx::Error>>
+    where
+        'c: 'e,
+        E: 'q + Execute<'q, Postgres>,
+    {
+        let Self { pool, deadline } = self;
+        let all = async move {
+            let mut lease = Lease::acquire(pool).await?;
+            let items: Vec<_> = within(deadline, async {
+                Ok((&mut *lease).fetch_many(query).collect().await)
+            })
+            .await?;
+            lease.clean();
+            Ok::<_, sqlx::Error>(items)
+        };
+        stream::once(all)
+            .flat_map(|all| match all {
+                Ok(items) => stream::iter(items),
+                Err(err) => stream::iter(vec![Err(err)]),
+            })
+            .boxed()
+    }
+
+    fn fetch_optional<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> BoxFuture<'e, Result<Option<PgRow>, sqlx::Error>>
+    where
+        'c: 'e,
+        E: 'q + Execute<'q, Postgres>,
+    {
+        let Self { pool, deadline } = self;
+        async move {
+            let mut lease = Lease::acquire(pool).await?;
+            let row = within(deadline, (&mut *lease).fetch_optional(query)).await;
+            // A database error leaves the connection usable; a lost one fails the pool's
+            // ping at once. Only a missed deadline leaves it waiting for an answer.
+            if !matches!(&row, Err(sqlx::Error::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut)
+            {
+                lease.clean();
+            }
+            row
+        }
+        .boxed()
+    }
+
+    fn prepare_with<'e, 'q: 'e>(
+        self,
+        sql: &'q str,
+        parameters: &'e [PgTypeInfo],
+    ) -> BoxFuture<'e, Result<<Postgres as Database>::Statement<'q>, sqlx::Error>>
+    where
+        'c: 'e,
+    {
+        let Self { pool, deadline } = self;
+        async move { within(deadline, pool.prepare_with(sql, parameters)).await }.boxed()
+    }
+
+    fn describe<'e, 'q: 'e>(
+        self,
+        sql: &'q str,
+    ) -> BoxFuture<'e, Result<Describe<Postgres>, sqlx::Error>>
+    where
+        'c: 'e,
+    {
+        let Self { pool, deadline } = self;
+        async move { within(deadline, pool.describe(sql)).await }.boxed()
+    }
+}
+
+/// A transaction on a [`Lease`] of its own, whose statements the caller runs within its
+/// deadline. Committed or rolled back, the connection goes back to the pool; dropped while
+/// open (a handler's future dropped, a client gone, a deadline missed), it is rolled back
+/// in a task of its own within the deadline, and closed if that fails.
+#[derive(Debug)]
+pub(crate) struct OwnedTx {
+    lease: Option<Lease>,
+    deadline: Duration,
+}
+
+impl OwnedTx {
+    /// Takes a connection and opens a transaction on it with `begin` (a `BEGIN` statement).
+    pub(crate) async fn begin(
+        pool: &PgPool,
+        begin: &'static str,
+        deadline: Duration,
+    ) -> Result<Self, sqlx::Error> {
+        let mut lease = Lease::acquire(pool).await?;
+        within(deadline, (&mut *lease).execute(begin)).await?;
+        Ok(Self {
+            lease: Some(lease),
+            deadline,
+        })
+    }
+
+    pub(crate) async fn commit(self) -> Result<(), sqlx::Error> {
+        self.end("COMMIT").await
+    }
+
+    pub(crate) async fn rollback(self) -> Result<(), sqlx::Error> {
+        self.end("ROLLBACK").await
+    }
+
+    async fn end(mut self, statement: &'static str) -> Result<(), sqlx::Error> {
+        let mut lease = self
+            .lease
+            .take()
+            .expect("an open transaction has its connection");
+        within(self.deadline, (&mut *lease).execute(statement)).await?;
+        lease.clean();
+        Ok(())
+    }
+}
+
+impl Deref for OwnedTx {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        self.lease
+            .as_ref()
+            .expect("an open transaction has its connection")
+    }
+}
+
+impl DerefMut for OwnedTx {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.lease
+            .as_mut()
+            .expect("an open transaction has its connection")
+    }
+}
+
+impl Drop for OwnedTx {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        // Without a runtime the lease is dropped as it is: closed.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let deadline = self.deadline;
+            runtime.spawn(async move {
+                let mut lease = lease;
+                // Waits out what an interrupted statement left unanswered first.
+                if within(deadline, (&mut *lease).execute("ROLLBACK"))
+                    .await
+                    .is_ok()
+                {
+                    lease.clean();
+                }
+            });
+        }
+    }
+}
