@@ -1,4 +1,6 @@
 //! Per-test databases and named databases for examples and benches.
+//!
+//! (Over 400 lines: creating, cleaning up and connecting to a test database, with its login role, belong together; each piece is short.)
 
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
