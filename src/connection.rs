@@ -11,16 +11,22 @@
 //! statement or a transaction, is closed (sqlx's documented `PoolConnection::close_on_drop`):
 //! the pool opens a new one, and the server ends the old session's transaction when it hears
 //! of the close, or after `idle_in_transaction_session_timeout` when it cannot.
+//!
+//! (Over 400 lines: the guarded pool, the owned transaction and the statement wrapper share one
+//! rule, when a connection may go back to the pool, and read best side by side.)
 
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
 use futures_util::future::BoxFuture;
-use futures_util::stream::{self, BoxStream, StreamExt};
+use futures_util::stream::{self, BoxStream, StreamExt, TryStreamExt};
 use futures_util::FutureExt;
+use sqlx::error::BoxDynError;
 use sqlx::pool::PoolConnection;
-use sqlx::postgres::{PgConnection, PgQueryResult, PgRow, PgTypeInfo};
+use sqlx::postgres::{PgArguments, PgConnection, PgQueryResult, PgRow, PgStatement, PgTypeInfo};
 use sqlx::{Database, Describe, Either, Execute, Executor, PgPool, Postgres};
+
+use crate::schema::Pooling;
 
 /// The deadline of a statement the crate sends, unless configured otherwise: far above any
 /// statement's normal time (they are single-row reads and writes), well below the time a
@@ -48,6 +54,40 @@ pub(crate) async fn within<T>(
     tokio::time::timeout(deadline, statement)
         .await
         .unwrap_or_else(|_| Err(timed_out(deadline)))
+}
+
+/// A statement as the [`Pooling`] lets it go: as it is, or unnamed when the next transaction
+/// may run on a server connection that never saw it prepared.
+pub(crate) struct Sent<E> {
+    statement: E,
+    unnamed: bool,
+}
+
+impl<E> Sent<E> {
+    pub(crate) fn new(statement: E, pooling: Pooling) -> Self {
+        Self {
+            statement,
+            unnamed: pooling.per_transaction(),
+        }
+    }
+}
+
+impl<'q, E: Execute<'q, Postgres>> Execute<'q, Postgres> for Sent<E> {
+    fn sql(&self) -> &'q str {
+        self.statement.sql()
+    }
+
+    fn statement(&self) -> Option<&PgStatement<'q>> {
+        self.statement.statement()
+    }
+
+    fn take_arguments(&mut self) -> Result<Option<PgArguments>, BoxDynError> {
+        self.statement.take_arguments()
+    }
+
+    fn persistent(&self) -> bool {
+        self.statement.persistent() && !self.unnamed
+    }
 }
 
 /// A pooled connection that goes back to the pool only once marked [`clean`](Self::clean),
@@ -98,17 +138,71 @@ impl Drop for Lease {
 /// The pool as an executor for autocommit statements: each one on a [`Lease`], within the
 /// deadline. The rows are read in full before the first is handed on (the crate's
 /// statements return a bounded number), so the connection is back in the pool, or closed,
-/// by then.
+/// by then. With [`Pooling::Transaction`] each statement is unnamed and runs in a
+/// transaction of its own.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Guarded<'p> {
     pub(crate) pool: &'p PgPool,
     pub(crate) deadline: Duration,
+    pub(crate) pooling: Pooling,
 }
 
 impl<'p> Guarded<'p> {
-    pub(crate) fn new(pool: &'p PgPool, deadline: Duration) -> Self {
-        Self { pool, deadline }
+    pub(crate) fn new(pool: &'p PgPool, deadline: Duration, pooling: Pooling) -> Self {
+        Self {
+            pool,
+            deadline,
+            pooling,
+        }
     }
+
+    /// Takes a connection and opens a transaction on it with `begin` (a `BEGIN` statement).
+    pub(crate) async fn begin(self, begin: &'static str) -> Result<OwnedTx, sqlx::Error> {
+        let mut lease = Lease::acquire(self.pool).await?;
+        within(self.deadline, (&mut *lease).execute(begin)).await?;
+        Ok(OwnedTx {
+            lease: Some(lease),
+            deadline: self.deadline,
+            pooling: self.pooling,
+        })
+    }
+}
+
+/// Opens the transaction an autocommit statement runs in with `pooling`, if it needs one:
+/// through a transaction-mode pooler, the `Sync` after an unnamed statement's parse ends the
+/// client's hold on its server connection when no transaction is open, and the statement's
+/// run could go to another.
+async fn open(conn: &mut PgConnection, pooling: Pooling) -> Result<(), sqlx::Error> {
+    if pooling.per_transaction() {
+        conn.execute("BEGIN").await?;
+    }
+    Ok(())
+}
+
+/// Ends what [`open`] opened, committing if `result` is a success, and answers whether the
+/// connection is left outside any transaction, with the result.
+async fn close<T>(
+    conn: &mut PgConnection,
+    pooling: Pooling,
+    result: Result<T, sqlx::Error>,
+) -> (bool, Result<T, sqlx::Error>) {
+    if !pooling.per_transaction() {
+        return (true, result);
+    }
+    let end = if result.is_ok() { "COMMIT" } else { "ROLLBACK" };
+    match (conn.execute(end).await, result) {
+        (Ok(_), result) => (true, result),
+        // A failed COMMIT the server answered (a deferred constraint, say) ends the
+        // transaction all the same.
+        (Err(err), Ok(_)) => (matches!(err, sqlx::Error::Database(_)), Err(err)),
+        (Err(_), Err(err)) => (false, Err(err)),
+    }
+}
+
+/// Whether `result` failed for want of an answer within the deadline: the connection may
+/// still owe one.
+fn missed_deadline<T>(result: &Result<T, sqlx::Error>) -> bool {
+    matches!(result, Err(sqlx::Error::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut)
 }
 
 impl<'c> Executor<'c> for Guarded<'c> {
@@ -122,19 +216,36 @@ impl<'c> Executor<'c> for Guarded<'c> {
         'c: 'e,
         E: 'q + Execute<'q, Postgres>,
     {
-        let Self { pool, deadline } = self;
+        let Self {
+            pool,
+            deadline,
+            pooling,
+        } = self;
         let all = async move {
             let mut lease = Lease::acquire(pool).await?;
-            let items: Vec<_> = within(deadline, async {
-                Ok((&mut *lease).fetch_many(query).collect().await)
-            })
-            .await?;
-            lease.clean();
-            Ok::<_, sqlx::Error>(items)
+            let run = async {
+                if let Err(err) = open(&mut lease, pooling).await {
+                    return (false, Err(err));
+                }
+                let items = (&mut *lease)
+                    .fetch_many(Sent::new(query, pooling))
+                    .try_collect::<Vec<_>>()
+                    .await;
+                close(&mut lease, pooling, items).await
+            };
+            let (ended, items) = within(deadline, async { Ok(run.await) })
+                .await
+                .unwrap_or_else(|err| (false, Err(err)));
+            // A database error leaves the connection usable; a lost one fails the pool's
+            // ping at once. Only a missed deadline leaves it waiting for an answer.
+            if ended && !missed_deadline(&items) {
+                lease.clean();
+            }
+            items
         };
         stream::once(all)
             .flat_map(|all| match all {
-                Ok(items) => stream::iter(items),
+                Ok(items) => stream::iter(items.into_iter().map(Ok).collect::<Vec<_>>()),
                 Err(err) => stream::iter(vec![Err(err)]),
             })
             .boxed()
@@ -148,17 +259,15 @@ impl<'c> Executor<'c> for Guarded<'c> {
         'c: 'e,
         E: 'q + Execute<'q, Postgres>,
     {
-        let Self { pool, deadline } = self;
+        // The statement has ended, and its connection gone back, before the first item.
+        let mut items = self.fetch_many(query);
         async move {
-            let mut lease = Lease::acquire(pool).await?;
-            let row = within(deadline, (&mut *lease).fetch_optional(query)).await;
-            // A database error leaves the connection usable; a lost one fails the pool's
-            // ping at once. Only a missed deadline leaves it waiting for an answer.
-            if !matches!(&row, Err(sqlx::Error::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut)
-            {
-                lease.clean();
+            while let Some(item) = items.try_next().await? {
+                if let Either::Right(row) = item {
+                    return Ok(Some(row));
+                }
             }
-            row
+            Ok(None)
         }
         .boxed()
     }
@@ -171,7 +280,7 @@ impl<'c> Executor<'c> for Guarded<'c> {
     where
         'c: 'e,
     {
-        let Self { pool, deadline } = self;
+        let Self { pool, deadline, .. } = self;
         async move { within(deadline, pool.prepare_with(sql, parameters)).await }.boxed()
     }
 
@@ -182,36 +291,24 @@ impl<'c> Executor<'c> for Guarded<'c> {
     where
         'c: 'e,
     {
-        let Self { pool, deadline } = self;
+        let Self { pool, deadline, .. } = self;
         async move { within(deadline, pool.describe(sql)).await }.boxed()
     }
 }
 
-/// A transaction on a [`Lease`] of its own, whose statements the caller runs within its
-/// deadline. Committed or rolled back, the connection goes back to the pool; dropped while
-/// open (a handler's future dropped, a client gone, a deadline missed), it is rolled back
-/// in a task of its own within the deadline, and closed if that fails.
+/// A transaction on a [`Lease`] of its own ([`Guarded::begin`]), whose statements the caller
+/// runs within its deadline, through the transaction as an executor (which sends them as the
+/// [`Pooling`] needs). Committed or rolled back, the connection goes back to the pool;
+/// dropped while open (a handler's future dropped, a client gone, a deadline missed), it is
+/// rolled back in a task of its own within the deadline, and closed if that fails.
 #[derive(Debug)]
 pub(crate) struct OwnedTx {
     lease: Option<Lease>,
     deadline: Duration,
+    pooling: Pooling,
 }
 
 impl OwnedTx {
-    /// Takes a connection and opens a transaction on it with `begin` (a `BEGIN` statement).
-    pub(crate) async fn begin(
-        pool: &PgPool,
-        begin: &'static str,
-        deadline: Duration,
-    ) -> Result<Self, sqlx::Error> {
-        let mut lease = Lease::acquire(pool).await?;
-        within(deadline, (&mut *lease).execute(begin)).await?;
-        Ok(Self {
-            lease: Some(lease),
-            deadline,
-        })
-    }
-
     pub(crate) async fn commit(self) -> Result<(), sqlx::Error> {
         self.end("COMMIT").await
     }
@@ -225,27 +322,70 @@ impl OwnedTx {
             .lease
             .take()
             .expect("an open transaction has its connection");
-        within(self.deadline, (&mut *lease).execute(statement)).await?;
-        lease.clean();
-        Ok(())
+        let ended = within(self.deadline, (&mut *lease).execute(statement)).await;
+        // An error the server sent (a serialization failure at COMMIT, say) ends the
+        // transaction too: the connection is idle and goes back.
+        if matches!(ended, Ok(_) | Err(sqlx::Error::Database(_))) {
+            lease.clean();
+        }
+        ended.map(drop)
     }
-}
 
-impl Deref for OwnedTx {
-    type Target = PgConnection;
-
-    fn deref(&self) -> &PgConnection {
-        self.lease
-            .as_ref()
-            .expect("an open transaction has its connection")
-    }
-}
-
-impl DerefMut for OwnedTx {
-    fn deref_mut(&mut self) -> &mut PgConnection {
+    /// The plain connection, for a handler's code that takes one: what it sends there is
+    /// sent as it is, whatever the [`Pooling`].
+    pub(crate) fn connection(&mut self) -> &mut PgConnection {
         self.lease
             .as_mut()
             .expect("an open transaction has its connection")
+    }
+}
+
+impl<'c> Executor<'c> for &'c mut OwnedTx {
+    type Database = Postgres;
+
+    fn fetch_many<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> BoxStream<'e, Result<Either<PgQueryResult, PgRow>, sqlx::Error>>
+    where
+        'c: 'e,
+        E: 'q + Execute<'q, Postgres>,
+    {
+        let pooling = self.pooling;
+        self.connection().fetch_many(Sent::new(query, pooling))
+    }
+
+    fn fetch_optional<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> BoxFuture<'e, Result<Option<PgRow>, sqlx::Error>>
+    where
+        'c: 'e,
+        E: 'q + Execute<'q, Postgres>,
+    {
+        let pooling = self.pooling;
+        self.connection().fetch_optional(Sent::new(query, pooling))
+    }
+
+    fn prepare_with<'e, 'q: 'e>(
+        self,
+        sql: &'q str,
+        parameters: &'e [PgTypeInfo],
+    ) -> BoxFuture<'e, Result<<Postgres as Database>::Statement<'q>, sqlx::Error>>
+    where
+        'c: 'e,
+    {
+        self.connection().prepare_with(sql, parameters)
+    }
+
+    fn describe<'e, 'q: 'e>(
+        self,
+        sql: &'q str,
+    ) -> BoxFuture<'e, Result<Describe<Postgres>, sqlx::Error>>
+    where
+        'c: 'e,
+    {
+        self.connection().describe(sql)
     }
 }
 

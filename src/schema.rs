@@ -50,6 +50,7 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 #[derive(Clone)]
 pub struct Schema {
     name: Arc<str>,
+    pooling: Pooling,
     /// The crate's statements with this schema's name, made once per statement.
     statements: Arc<RwLock<Statements>>,
 }
@@ -80,6 +81,7 @@ impl Schema {
         }
         Ok(Self {
             name: name.into(),
+            pooling: Pooling::default(),
             statements: Arc::default(),
         })
     }
@@ -87,6 +89,27 @@ impl Schema {
     /// The schema's name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// This schema, reached through `pooling`: give the result to every component (the layer,
+    /// consumers, dispatchers, the purger, the quarantine, the stats task), as the schema is.
+    ///
+    /// ```
+    /// use tower_inbox::schema::{Pooling, Schema};
+    ///
+    /// // The service connects to PgBouncer 1.18 in transaction mode.
+    /// let schema = Schema::default().with_pooling(Pooling::Transaction);
+    /// assert_eq!(schema.pooling(), Pooling::Transaction);
+    /// ```
+    pub fn with_pooling(mut self, pooling: Pooling) -> Self {
+        self.pooling = pooling;
+        self
+    }
+
+    /// What the connections reach PostgreSQL through ([`Pooling::Session`] unless
+    /// [set](Self::with_pooling)).
+    pub fn pooling(&self) -> Pooling {
+        self.pooling
     }
 
     fn is_default(&self) -> bool {
@@ -128,7 +151,7 @@ impl Default for Schema {
 
 impl PartialEq for Schema {
     fn eq(&self, other: &Self) -> bool {
-        self.name == other.name
+        self.name == other.name && self.pooling == other.pooling
     }
 }
 
@@ -136,7 +159,46 @@ impl Eq for Schema {}
 
 impl std::fmt::Debug for Schema {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Schema({})", self.name)
+        match self.pooling {
+            Pooling::Session => write!(f, "Schema({})", self.name),
+            Pooling::Transaction => write!(f, "Schema({}, transaction pooling)", self.name),
+        }
+    }
+}
+
+/// What the service's connections reach PostgreSQL through, as far as the crate's statements
+/// care: whether a statement prepared in one transaction can be run in the next.
+///
+/// Set it on the [`Schema`] ([`Schema::with_pooling`]) that every component is given.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Pooling {
+    /// PostgreSQL itself; a pooler that gives a client one server connection for its whole
+    /// session (PgBouncer's `pool_mode = session`); or one in transaction mode that keeps
+    /// prepared statements across server connections (PgBouncer 1.21 and later with
+    /// `max_prepared_statements` above 0). Each statement is prepared once per connection,
+    /// named, and run from sqlx's statement cache afterwards: one round trip a statement.
+    #[default]
+    Session,
+    /// A pooler in transaction mode that does not keep prepared statements (PgBouncer before
+    /// 1.21, or with `max_prepared_statements = 0`): a client holds a server connection only
+    /// while a transaction is open, and its next transaction may run on another one.
+    ///
+    /// Every statement the crate sends, and every one a handler sends through the
+    /// [`ClaimedMessage`](crate::inbox::ClaimedMessage) (the layer's [`InboxTx`](crate::InboxTx)),
+    /// is unnamed (sqlx's `persistent(false)`): parsed and run in two round trips, which
+    /// PostgreSQL ties to nothing past the transaction. A statement that would autocommit runs
+    /// between `BEGIN` and `COMMIT` of its own, so its parse and its run cannot be split
+    /// across server connections. Dispatchers poll for due effects instead of `LISTEN`ing,
+    /// which a transaction-mode pooler cannot carry. Migrations need a session: run them on
+    /// a direct connection or through session mode ([`migrate_schema`]).
+    Transaction,
+}
+
+impl Pooling {
+    /// Whether statements must be unnamed and wrapped in transactions.
+    pub(crate) fn per_transaction(self) -> bool {
+        self == Self::Transaction
     }
 }
 

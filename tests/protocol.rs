@@ -794,8 +794,16 @@ async fn migrations_run_twice_and_the_config_is_checked() {
 
 #[tokio::test]
 async fn a_commit_refused_by_a_deferred_constraint_answers_500_and_commits_nothing() {
-    let app = TestApp::new().await;
+    // One connection: the one whose COMMIT the server refused.
+    let app = TestApp::with_pool_size(1).await;
     app.create_refused_at_commit().await;
+    let backend = || async {
+        sqlx::query_scalar::<_, i32>("select pg_backend_pid()")
+            .fetch_one(&app.pool)
+            .await
+            .expect("backend")
+    };
+    let before = backend().await;
     let router = Router::new()
         .route(
             "/cmd",
@@ -814,6 +822,9 @@ async fn a_commit_refused_by_a_deferred_constraint_answers_500_and_commits_nothi
     assert_eq!(reply.problem_type(), "internal");
     assert_eq!(app.inbox_rows().await, 0);
     assert_eq!(app.refused_at_commit_rows().await, 1);
+    // The server answered the COMMIT, so the connection was idle again: it went back to
+    // the pool rather than being closed as one in an unknown state.
+    assert_eq!(backend().await, before, "the connection was closed");
 }
 
 #[tokio::test]

@@ -12,7 +12,7 @@ use super::{
     entry, message, seen, sql, Claim, ClaimedMessage, Inbox, InboxError, RetryReason,
     VANISHED_ATTEMPTS,
 };
-use crate::connection::{within, OwnedTx};
+use crate::connection::within;
 use crate::fingerprint::Fingerprint;
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::metrics as m;
@@ -83,7 +83,9 @@ impl Inbox {
         let read_sql = self.schema.sql(sql::LOOKUP_OR_BUSY);
         let mut vanished = 0;
         loop {
-            let mut tx = OwnedTx::begin(&self.pool, self.isolation.begin(), self.deadline)
+            let mut tx = self
+                .guarded()
+                .begin(self.isolation.begin())
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
             let claim = bind_identity!(sqlx::query(&claim_sql), &identity)
@@ -91,7 +93,7 @@ impl Inbox {
                 .bind(handler_version.as_bytes())
                 .bind(lock.0)
                 .bind(lock.1)
-                .fetch_optional(&mut *tx);
+                .fetch_optional(&mut tx);
             let claimed = within(self.deadline, claim)
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
@@ -110,7 +112,7 @@ impl Inbox {
             let read = bind_identity!(sqlx::query(&read_sql), &identity)
                 .bind(lock.0)
                 .bind(lock.1)
-                .fetch_one(&mut *tx);
+                .fetch_one(&mut tx);
             let row = within(self.deadline, read)
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
@@ -242,7 +244,9 @@ impl Inbox {
         handler_version: &str,
         wait: Duration,
     ) -> Result<ClaimedMessage, InboxError> {
-        let tx = OwnedTx::begin(&self.pool, self.isolation.begin(), self.deadline)
+        let tx = self
+            .guarded()
+            .begin(self.isolation.begin())
             .await
             .map_err(|e| self.failed(identity.consumer(), e))?;
         let at_commit = message::ClaimAtCommit {

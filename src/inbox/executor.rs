@@ -8,7 +8,7 @@
 use futures_util::future::BoxFuture;
 use futures_util::stream::{BoxStream, StreamExt};
 use futures_util::FutureExt;
-use sqlx::postgres::{PgConnection, PgQueryResult, PgRow, PgTypeInfo};
+use sqlx::postgres::{PgQueryResult, PgRow, PgTypeInfo};
 use sqlx::{Database, Describe, Either, Execute, Executor, Postgres};
 
 use super::{ClaimedMessage, RetryReason};
@@ -32,8 +32,7 @@ impl<'c> Executor<'c> for &'c mut ClaimedMessage {
         E: 'q + Execute<'q, Postgres>,
     {
         let ClaimedMessage { tx, retry, .. } = self;
-        let conn: &'c mut PgConnection = &mut *tx;
-        conn.fetch_many(query)
+        tx.fetch_many(query)
             .map(move |item| {
                 if let Err(err) = &item {
                     watch(retry, err);
@@ -52,9 +51,8 @@ impl<'c> Executor<'c> for &'c mut ClaimedMessage {
         E: 'q + Execute<'q, Postgres>,
     {
         let ClaimedMessage { tx, retry, .. } = self;
-        let conn: &'c mut PgConnection = &mut *tx;
         async move {
-            let row = conn.fetch_optional(query).await;
+            let row = tx.fetch_optional(query).await;
             if let Err(err) = &row {
                 watch(retry, err);
             }
@@ -71,8 +69,7 @@ impl<'c> Executor<'c> for &'c mut ClaimedMessage {
     where
         'c: 'e,
     {
-        let conn: &'c mut PgConnection = &mut self.tx;
-        conn.prepare_with(sql, parameters)
+        self.tx.prepare_with(sql, parameters)
     }
 
     fn describe<'e, 'q: 'e>(
@@ -82,7 +79,6 @@ impl<'c> Executor<'c> for &'c mut ClaimedMessage {
     where
         'c: 'e,
     {
-        let conn: &'c mut PgConnection = &mut self.tx;
-        conn.describe(sql)
+        self.tx.describe(sql)
     }
 }

@@ -1,7 +1,7 @@
 //! Attempts that did not commit: counted per key, and quarantined past the limit.
 
 use super::{sql, ClaimLock, Inbox, InboxError};
-use crate::connection::{within, OwnedTx};
+use crate::connection::within;
 use crate::fingerprint::Fingerprint;
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::metrics::{self as m, quarantine_moved};
@@ -40,16 +40,14 @@ impl Inbox {
         let item_key = identity_item_key(QuarantineSource::HandlerFailure, identity, "");
         let lock = ClaimLock::of(&self.schema, identity);
         let failed = |e| self.failed(identity.consumer(), e);
-        let mut tx = OwnedTx::begin(&self.pool, "BEGIN", self.deadline)
-            .await
-            .map_err(failed)?;
+        let mut tx = self.guarded().begin("BEGIN").await.map_err(failed)?;
         // Two statements, so that the record's snapshot sees every commit made before the
         // lock was granted: a retry that claimed the key after this attempt rolled back holds
         // the lock until it ends, and once it has committed, it has committed visibly.
         let try_lock = sqlx::query_scalar(sql::TRY_CLAIM_LOCK)
             .bind(lock.0)
             .bind(lock.1)
-            .fetch_one(&mut *tx);
+            .fetch_one(&mut tx);
         let holds_lock: bool = within(self.deadline, try_lock).await.map_err(failed)?;
         let sql = self.schema.sql(sql::RECORD_FAILURE);
         let record = bind_identity!(sqlx::query_as(&sql), identity)
@@ -59,7 +57,7 @@ impl Inbox {
             .bind(i32::try_from(quarantine_after.max(1)).unwrap_or(i32::MAX))
             .bind(item_key.as_bytes())
             .bind(holds_lock)
-            .fetch_optional(&mut *tx);
+            .fetch_optional(&mut tx);
         let item: Option<(i64, bool)> = within(self.deadline, record).await.map_err(failed)?;
         tx.commit().await.map_err(failed)?;
         if let Some((_, true)) = item {

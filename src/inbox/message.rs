@@ -125,6 +125,11 @@ impl ClaimedMessage {
     /// transaction re-run. Return the database errors met inside `f`; one swallowed there
     /// still leaves the transaction aborted, so its record fails and nothing commits.
     ///
+    /// Statements sent here go as they are: through a transaction-mode pooler
+    /// ([`Pooling::Transaction`](crate::schema::Pooling::Transaction)), make them unnamed
+    /// with sqlx's `.persistent(false)`, as the message itself does for statements run
+    /// through it.
+    ///
     /// ```no_run
     /// # async fn f(message: &mut tower_inbox::inbox::ClaimedMessage) -> Result<(), sqlx::Error> {
     /// let n: i64 = message
@@ -136,7 +141,7 @@ impl ClaimedMessage {
     where
         F: AsyncFnOnce(&mut PgConnection) -> Result<T, sqlx::Error>,
     {
-        let result = f(&mut *self.tx).await;
+        let result = f(self.tx.connection()).await;
         if let Err(err) = &result {
             watch(&mut self.retry, err);
         }
@@ -228,7 +233,7 @@ impl ClaimedMessage {
                     .bind(names)
                     .bind(values)
                     .bind(body)
-                    .fetch_optional(&mut *self.tx);
+                    .fetch_optional(&mut self.tx);
                 let recorded = within(self.inbox.deadline, record)
                     .await
                     .map_err(InboxError::classify)?;
@@ -252,7 +257,7 @@ impl ClaimedMessage {
                     .bind(names)
                     .bind(values)
                     .bind(body)
-                    .fetch_optional(&mut *self.tx);
+                    .fetch_optional(&mut self.tx);
                 let claimed = within(self.inbox.deadline, claim_now)
                     .await
                     .map_err(InboxError::classify);
@@ -280,7 +285,7 @@ impl ClaimedMessage {
             let sql = self.inbox.schema().sql(sql::RECOVER);
             let recover = sqlx::query(&sql)
                 .bind(item_key.as_bytes())
-                .execute(&mut *self.tx);
+                .execute(&mut self.tx);
             recovered = within(self.inbox.deadline, recover)
                 .await
                 .map_err(InboxError::classify)?
@@ -306,7 +311,7 @@ impl ClaimedMessage {
         let read = sqlx::query_as(sql::EXPIRED)
             .bind(produced_at)
             .bind(window.as_secs_f64())
-            .fetch_one(&mut *self.tx);
+            .fetch_one(&mut self.tx);
         within(deadline, read).await.map_err(InboxError::classify)
     }
 

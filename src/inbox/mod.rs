@@ -203,7 +203,7 @@ impl Inbox {
 
     /// The pool as an executor whose statements run within the deadline.
     pub(crate) fn guarded(&self) -> Guarded<'_> {
-        Guarded::new(&self.pool, self.deadline)
+        Guarded::new(&self.pool, self.deadline, self.schema.pooling())
     }
 
     /// Counts a message whose key was (or was not) found taken, for the default lookup

@@ -19,6 +19,7 @@ crate::db::database_error!(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the stats period must be positive")]
 pub struct ZeroPeriod;
+use crate::connection::{Guarded, DEFAULT_STATEMENT_DEADLINE};
 use crate::quarantine::QuarantineSource;
 use crate::schema::Schema;
 
@@ -223,6 +224,16 @@ impl StatsTask {
         self
     }
 
+    /// The pool for this component's statements: each within the crate's statement deadline,
+    /// sent as the schema's [`Pooling`](crate::schema::Pooling) needs.
+    fn db(&self) -> Guarded<'_> {
+        Guarded::new(
+            &self.pool,
+            DEFAULT_STATEMENT_DEADLINE,
+            self.schema.pooling(),
+        )
+    }
+
     /// Reads the stats once and sets the gauges.
     pub async fn collect(&mut self) -> Result<Stats, StatsError> {
         let stats = self
@@ -236,20 +247,20 @@ impl StatsTask {
     async fn read(&self) -> Result<Stats, StatsError> {
         let classify = StatsError::from;
         let mut rows: Vec<(String, i64)> = sqlx::query_as(&self.schema.sql(INBOX_ROWS_ESTIMATE))
-            .fetch_all(&self.pool)
+            .fetch_all(self.db())
             .await
             .map_err(classify)?;
         if rows.is_empty() {
             rows = sqlx::query_as(&self.schema.sql(INBOX_ROWS_COUNTED))
                 .bind(BOUND)
-                .fetch_all(&self.pool)
+                .fetch_all(self.db())
                 .await
                 .map_err(classify)?;
         }
         let oldest: Vec<(String, f64, Option<f64>)> =
             sqlx::query_as(&self.schema.sql(INBOX_OLDEST))
                 .bind(BOUND)
-                .fetch_all(&self.pool)
+                .fetch_all(self.db())
                 .await
                 .map_err(classify)?;
         // A consumer with no row among the oldest read is younger than the youngest of them.
@@ -268,20 +279,20 @@ impl StatsTask {
             })
             .collect::<Vec<_>>();
         let inbox_table_bytes: i64 = sqlx::query_scalar(&self.schema.sql(INBOX_BYTES))
-            .fetch_one(&self.pool)
+            .fetch_one(self.db())
             .await
             .map_err(classify)?;
         let (claims_in_flight, in_flight_age): (i64, f64) =
             sqlx::query_as(&self.schema.sql(IN_FLIGHT))
-                .fetch_one(&self.pool)
+                .fetch_one(self.db())
                 .await
                 .map_err(classify)?;
         let (outbox_pending, outbox_age): (i64, f64) = sqlx::query_as(&self.schema.sql(OUTBOX))
-            .fetch_one(&self.pool)
+            .fetch_one(self.db())
             .await
             .map_err(classify)?;
         let quarantine: Vec<(String, i64)> = sqlx::query_as(&self.schema.sql(QUARANTINE))
-            .fetch_all(&self.pool)
+            .fetch_all(self.db())
             .await
             .map_err(classify)?;
 

@@ -5,6 +5,7 @@ use sqlx::Row;
 use time::OffsetDateTime;
 
 use super::{sql, EffectId, Outbox, OutboxError};
+use crate::connection::{Guarded, DEFAULT_STATEMENT_DEADLINE};
 use crate::identity::{bind_identity, MessageIdentity};
 
 /// Where an effect stands.
@@ -62,12 +63,22 @@ pub enum OutboxFilter {
 }
 
 impl Outbox {
+    /// The pool for this component's statements: each within the crate's statement deadline,
+    /// sent as the schema's [`Pooling`](crate::schema::Pooling) needs.
+    fn db(&self) -> Guarded<'_> {
+        Guarded::new(
+            &self.pool,
+            DEFAULT_STATEMENT_DEADLINE,
+            self.schema.pooling(),
+        )
+    }
+
     /// One effect's row.
     pub async fn entry(&self, effect_id: &EffectId) -> Result<Option<OutboxEntry>, OutboxError> {
         let sql = self.schema.sql(sql::ENTRY);
         let row = sqlx::query(&sql)
             .bind(effect_id.as_str())
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.db())
             .await
             .map_err(OutboxError::from)?;
         row.as_ref().map(entry_from_row).transpose()
@@ -88,7 +99,7 @@ impl Outbox {
         let rows = sqlx::query(&sql)
             .bind(effect_name)
             .bind(limit)
-            .fetch_all(&self.pool)
+            .fetch_all(self.db())
             .await
             .map_err(OutboxError::from)?;
         rows.iter().map(entry_from_row).collect()
@@ -103,7 +114,7 @@ impl Outbox {
     ) -> Result<Vec<OutboxEntry>, OutboxError> {
         let sql = self.schema.sql(sql::FOR_MESSAGE);
         let rows = bind_identity!(sqlx::query(&sql), identity)
-            .fetch_all(&self.pool)
+            .fetch_all(self.db())
             .await
             .map_err(OutboxError::from)?;
         rows.iter().map(entry_from_row).collect()

@@ -38,6 +38,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 use time::OffsetDateTime;
 
+use crate::connection::{Guarded, DEFAULT_STATEMENT_DEADLINE};
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::schema::Schema;
 
@@ -212,6 +213,16 @@ impl Quarantine {
         self
     }
 
+    /// The pool for this component's statements: each within the crate's statement deadline,
+    /// sent as the schema's [`Pooling`](crate::schema::Pooling) needs.
+    fn db(&self) -> Guarded<'_> {
+        Guarded::new(
+            &self.pool,
+            DEFAULT_STATEMENT_DEADLINE,
+            self.schema.pooling(),
+        )
+    }
+
     /// Up to `limit` items, oldest first (newest first for [`QuarantineFilter::All`]).
     pub async fn list(
         &self,
@@ -225,7 +236,7 @@ impl Quarantine {
         });
         let rows = sqlx::query(&sql)
             .bind(limit)
-            .fetch_all(&self.pool)
+            .fetch_all(self.db())
             .await
             .map_err(QuarantineError::from)?;
         rows.iter().map(item_from_row).collect()
@@ -236,7 +247,7 @@ impl Quarantine {
         let sql = self.schema.sql(sql::GET);
         let row = sqlx::query(&sql)
             .bind(id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.db())
             .await
             .map_err(QuarantineError::from)?;
         row.as_ref().map(item_from_row).transpose()
@@ -249,7 +260,7 @@ impl Quarantine {
     ) -> Result<Vec<QuarantineItem>, QuarantineError> {
         let sql = self.schema.sql(sql::FOR_IDENTITY);
         let rows = bind_identity!(sqlx::query(&sql), &identity)
-            .fetch_all(&self.pool)
+            .fetch_all(self.db())
             .await
             .map_err(QuarantineError::from)?;
         rows.iter().map(item_from_row).collect()
@@ -274,21 +285,21 @@ impl Quarantine {
         why: &str,
     ) -> Result<(), DecisionError> {
         let classify = |e| DecisionError::Quarantine(QuarantineError::from(e));
-        let mut tx = self.pool.begin().await.map_err(classify)?;
+        let mut tx = self.db().begin("BEGIN").await.map_err(classify)?;
         let decide = self.schema.sql(sql::DECIDE);
         let decided: Option<(String, Option<String>)> = sqlx::query_as(&decide)
             .bind(id)
             .bind(decision.as_str())
             .bind(who.as_bytes())
             .bind(why.as_bytes())
-            .fetch_optional(&mut *tx)
+            .fetch_optional(&mut tx)
             .await
             .map_err(classify)?;
         let Some((source, effect_id)) = decided else {
             let exists_sql = self.schema.sql(sql::EXISTS);
             let exists: Option<i64> = sqlx::query_scalar(&exists_sql)
                 .bind(id)
-                .fetch_optional(&mut *tx)
+                .fetch_optional(&mut tx)
                 .await
                 .map_err(classify)?;
             return Err(match exists {
@@ -300,7 +311,7 @@ impl Quarantine {
             let requeue = self.schema.sql(sql::REQUEUE_EFFECT);
             sqlx::query(&requeue)
                 .bind(effect_id)
-                .execute(&mut *tx)
+                .execute(&mut tx)
                 .await
                 .map_err(classify)?;
         }

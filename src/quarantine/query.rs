@@ -36,7 +36,7 @@ impl Quarantine {
         let sql = self.schema.sql(sql::LATEST_FOR_EFFECT);
         let row = sqlx::query(&sql)
             .bind(effect_id)
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.db())
             .await
             .map_err(QuarantineError::from)?;
         row.as_ref().map(item_from_row).transpose()
@@ -60,7 +60,7 @@ impl Quarantine {
             .bind(state)
             .bind(query.reason.as_deref())
             .bind(query.consumer.as_deref())
-            .fetch_all(&self.pool)
+            .fetch_all(self.db())
             .await
             .map_err(QuarantineError::from)?;
         rows.iter().map(item_from_row).collect()

@@ -6,7 +6,9 @@ use std::future::Future;
 use std::ops::ControlFlow;
 use std::time::Duration;
 
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::PgPool;
+
+use crate::connection::{Guarded, OwnedTx, DEFAULT_STATEMENT_DEADLINE};
 
 use crate::schema::Schema;
 use time::OffsetDateTime;
@@ -410,7 +412,7 @@ impl Purger {
         let span = tracing::Span::current();
         let cutoff: OffsetDateTime = sqlx::query_scalar(sql::CUTOFF)
             .bind(target.window.as_secs_f64())
-            .fetch_one(&self.pool)
+            .fetch_one(self.db())
             .await
             .map_err(|e| (InboxError::classify(e), 0))?;
         span.record("cutoff", tracing::field::display(cutoff));
@@ -461,12 +463,26 @@ impl Purger {
         Ok((purged, false))
     }
 
+    /// The pool for this component's statements: each within the crate's statement deadline,
+    /// sent as the schema's [`Pooling`](crate::schema::Pooling) needs.
+    fn db(&self) -> Guarded<'_> {
+        Guarded::new(
+            &self.pool,
+            DEFAULT_STATEMENT_DEADLINE,
+            self.schema.pooling(),
+        )
+    }
+
     /// A transaction whose lock waits are bounded by the lock timeout.
-    async fn begin(&self) -> Result<Transaction<'static, Postgres>, InboxError> {
-        let mut tx = self.pool.begin().await.map_err(InboxError::classify)?;
+    async fn begin(&self) -> Result<OwnedTx, InboxError> {
+        let mut tx = self
+            .db()
+            .begin("BEGIN")
+            .await
+            .map_err(InboxError::classify)?;
         sqlx::query(sql::LOCK_TIMEOUT)
             .bind(&self.lock_timeout)
-            .execute(&mut *tx)
+            .execute(&mut tx)
             .await
             .map_err(InboxError::classify)?;
         Ok(tx)
@@ -482,7 +498,7 @@ impl Purger {
         let statement = self.schema.sql(statement);
         let rows: i64 = sqlx::query_scalar(&statement)
             .bind(cutoff)
-            .fetch_one(&mut *tx)
+            .fetch_one(&mut tx)
             .await
             .map_err(InboxError::classify)?;
         tx.rollback().await.map_err(InboxError::classify)?;
@@ -499,7 +515,7 @@ impl Purger {
         let deleted = sqlx::query(&statement)
             .bind(cutoff)
             .bind(self.batch_size)
-            .execute(&mut *tx)
+            .execute(&mut tx)
             .await
             .map_err(InboxError::classify)?
             .rows_affected();

@@ -3,17 +3,22 @@
 
 use std::fs;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Once;
 use std::time::{Duration, Instant};
 
 use crate::error::{Context, Error};
-use crate::owner::owned_name;
+use crate::owner::{left_over_in_temp_dir, owned_name};
 use crate::postgres::{effective_uid, free_port, log_stdio, remove_dir_if_exists, Postgres};
 
 /// How long PgBouncer may take to listen, and to exit.
 const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The start of the name of each PgBouncer's directory, followed by its owner's pid.
+const DIR_PREFIX: &str = "tower-inbox-pgbouncer-";
 
 /// How PgBouncer hands server connections to clients.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,6 +63,7 @@ pub struct PgBouncer {
     dir: PathBuf,
     port: u16,
     mode: PoolMode,
+    server_connections: u32,
     child: Option<Child>,
 }
 
@@ -66,6 +72,22 @@ impl PgBouncer {
     /// and waits until it listens. Blocks the current thread (under a
     /// second).
     pub fn start(upstream_port: u16, mode: PoolMode) -> Result<Self, Error> {
+        Self::start_for(upstream_port, mode, &[], 40)
+    }
+
+    /// As [`start`](Self::start), letting in `users` (roles of the server,
+    /// such as a [`TestRole`](crate::TestRole)'s) besides `postgres`, with at
+    /// most `server_connections` server connections per user and database
+    /// (40 for [`start`](Self::start)). PgBouncer asks no password, but lets
+    /// in only the users its auth file names, and logs in to the server as
+    /// the same user. One server connection makes every client's
+    /// transactions take turns on it.
+    pub fn start_for(
+        upstream_port: u16,
+        mode: PoolMode,
+        users: &[&str],
+        server_connections: u32,
+    ) -> Result<Self, Error> {
         let program = ["/usr/sbin/pgbouncer", "/usr/bin/pgbouncer"]
             .into_iter()
             .map(PathBuf::from)
@@ -81,7 +103,9 @@ impl PgBouncer {
                 )
             })?;
         let pg = Postgres::find(effective_uid()?)?;
-        let dir = std::env::temp_dir().join(owned_name("tower-inbox-pgbouncer-"));
+        static STALE: Once = Once::new();
+        STALE.call_once(remove_stale_bouncers);
+        let dir = std::env::temp_dir().join(owned_name(DIR_PREFIX));
         fs::DirBuilder::new()
             .mode(0o755)
             .create(&dir)
@@ -90,11 +114,16 @@ impl PgBouncer {
             dir,
             port: free_port()?,
             mode,
+            server_connections,
             child: None,
         };
         // PgBouncer writes its pid file and log here as the server user.
         pg.give_to_server(&bouncer.dir)?;
-        fs::write(bouncer.dir.join("users.txt"), "\"postgres\" \"\"\n")
+        let auth: String = std::iter::once("postgres")
+            .chain(users.iter().copied())
+            .map(|user| format!("\"{}\" \"\"\n", user.replace('"', "\"\"")))
+            .collect();
+        fs::write(bouncer.dir.join("users.txt"), auth)
             .context(|| "cannot write PgBouncer's auth file")?;
         bouncer.write_config(upstream_port)?;
         let ini = bouncer.dir.join("pgbouncer.ini");
@@ -160,12 +189,13 @@ impl PgBouncer {
              auth_file = {dir}/users.txt\n\
              pool_mode = {mode}\n\
              max_client_conn = 1000\n\
-             default_pool_size = 40\n\
+             default_pool_size = {server_connections}\n\
              ignore_startup_parameters = extra_float_digits\n\
              server_login_retry = 1\n\
              pidfile = {dir}/pgbouncer.pid\n",
             port = self.port,
             mode = self.mode.as_str(),
+            server_connections = self.server_connections,
         );
         // Written beside and renamed, so a reload never reads half a file.
         let path = self.dir.join("pgbouncer.ini");
@@ -210,6 +240,28 @@ impl Drop for PgBouncer {
         if let Err(err) = remove_dir_if_exists(&self.dir) {
             eprintln!("tower-inbox-testdb: {err}");
         }
+    }
+}
+
+/// Stops the PgBouncers, and removes the directories, of test processes that no longer exist
+/// (a killed run never dropped its [`PgBouncer`]). Best effort: what fails stays for the
+/// next run.
+fn remove_stale_bouncers() {
+    for dir in left_over_in_temp_dir(DIR_PREFIX) {
+        if let Ok(pid) = read_pid(&dir.join("pgbouncer.pid")) {
+            // Only the PgBouncer running on this directory's configuration: its pid may
+            // since have gone to another process.
+            let ini = dir.join("pgbouncer.ini");
+            let runs_here = fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|cmdline| {
+                cmdline
+                    .split(|&b| b == 0)
+                    .any(|arg| arg == ini.as_os_str().as_bytes())
+            });
+            if runs_here {
+                let _ = Command::new("kill").args(["-TERM", &pid]).status();
+            }
+        }
+        let _ = remove_dir_if_exists(&dir);
     }
 }
 

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use crate::database::TestDatabase;
 use crate::error::{Context, Error};
-use crate::owner::{is_gone, owned_name, owner_pid};
+use crate::owner::{left_over_in_temp_dir, owned_name};
 use crate::postgres::{
     effective_uid, remove_dir_if_exists, ClusterDirs, Launch, Postgres, StopMode,
 };
@@ -380,28 +380,17 @@ fn new_cluster_dir() -> PathBuf {
 /// Stops the servers and removes the directories of clusters whose process
 /// is gone. Best effort: what fails stays for the next start.
 fn remove_stale_clusters(pg: &Postgres, uid: u32) {
-    let Ok(entries) = fs::read_dir(std::env::temp_dir()) else {
-        return;
-    };
-    for entry in entries.flatten() {
-        let left_over = entry
-            .file_name()
-            .to_str()
-            .and_then(|name| owner_pid(name, DIR_PREFIX))
-            .is_some_and(is_gone);
-        if !left_over {
-            continue;
-        }
+    for left_over in left_over_in_temp_dir(DIR_PREFIX) {
         // As root, other users' clusters are none of our business.
         let ours =
-            fs::symlink_metadata(entry.path()).is_ok_and(|meta| meta.is_dir() && meta.uid() == uid);
+            fs::symlink_metadata(&left_over).is_ok_and(|meta| meta.is_dir() && meta.uid() == uid);
         if !ours {
             continue;
         }
         // Renaming claims it: of two processes cleaning up at once, one
         // wins, and the name now carries a live pid.
         let claimed = new_cluster_dir();
-        if fs::rename(entry.path(), &claimed).is_err() {
+        if fs::rename(&left_over, &claimed).is_err() {
             continue;
         }
         let dirs = ClusterDirs::in_dir(claimed);
@@ -510,6 +499,7 @@ fn check_preloaded(log_file: &Path) -> Result<(), Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::owner::owner_pid;
 
     #[test]
     fn cluster_dirs_are_named_after_this_process() {

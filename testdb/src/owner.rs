@@ -2,7 +2,8 @@
 //! killed process left behind (test databases, private clusters) can be
 //! told from what live processes use, and removed.
 
-use std::path::Path;
+use std::fs;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -29,6 +30,25 @@ pub(crate) fn owner_pid(name: &str, prefix: &str) -> Option<u32> {
 /// A recycled pid counts as alive: a leftover stays until a later check.
 pub(crate) fn is_gone(pid: u32) -> bool {
     pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// The entries of the temporary directory named by [`owned_name`] with
+/// `prefix` whose process is gone: what killed runs left there.
+pub(crate) fn left_over_in_temp_dir(prefix: &str) -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(std::env::temp_dir()) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter(|entry| {
+            entry
+                .file_name()
+                .to_str()
+                .and_then(|name| owner_pid(name, prefix))
+                .is_some_and(is_gone)
+        })
+        .map(|entry| entry.path())
+        .collect()
 }
 
 #[cfg(test)]

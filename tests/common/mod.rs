@@ -420,8 +420,16 @@ pub fn gated_router(
     app: &TestApp,
     configure: impl FnOnce(InboxLayerBuilder) -> InboxLayerBuilder,
 ) -> (Router, Gate, Arc<AtomicUsize>) {
+    gated_router_on(&app.pool, configure)
+}
+
+/// [`gated_router`] with the layer on `pool`.
+pub fn gated_router_on(
+    pool: &PgPool,
+    configure: impl FnOnce(InboxLayerBuilder) -> InboxLayerBuilder,
+) -> (Router, Gate, Arc<AtomicUsize>) {
     let layer = configure(
-        InboxLayer::builder(app.pool.clone(), "credits").producer(TrustedHeader::new("x-producer")),
+        InboxLayer::builder(pool.clone(), "credits").producer(TrustedHeader::new("x-producer")),
     )
     .build()
     .expect("layer");

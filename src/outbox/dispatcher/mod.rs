@@ -132,7 +132,9 @@ impl<T: Transport> Dispatcher<T> {
     }
 
     /// Runs until `shutdown` completes: wakes on every committed enqueue (`LISTEN`), when the
-    /// next retry is due, and at least every poll interval. On shutdown it finishes the
+    /// next retry is due, and at least every poll interval. Through a transaction-mode pooler
+    /// ([`Pooling::Transaction`](crate::schema::Pooling::Transaction)) it does not `LISTEN`
+    /// and finds new effects by polling alone. On shutdown it finishes the
     /// deliveries in flight (each bounded by the delivery timeout) and gives back the leases
     /// it has not started on.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<(), OutboxError> {
@@ -188,10 +190,19 @@ impl<T: Transport> Dispatcher<T> {
     /// deadline (10 s), on a connection closed rather than returned if it misses it, so a
     /// half-open connection cannot stop the deliveries for good.
     fn db(&self) -> Guarded<'_> {
-        Guarded::new(&self.pool, DEFAULT_STATEMENT_DEADLINE)
+        Guarded::new(
+            &self.pool,
+            DEFAULT_STATEMENT_DEADLINE,
+            self.settings.schema.pooling(),
+        )
     }
 
     async fn listen(&self) -> Option<PgListener> {
+        // A transaction-mode pooler hands the listening session's server connection to other
+        // clients between statements: the notifications would reach them, not this one.
+        if self.settings.schema.pooling().per_transaction() {
+            return None;
+        }
         let result = async {
             let mut listener = PgListener::connect_with(&self.pool).await?;
             listener.listen(CHANNEL).await?;
