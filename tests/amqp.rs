@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use broker::{bind, consume, exchange_declare, next, rabbitmq, short, Broker, PATIENCE};
 use bytes::Bytes;
-use common::TestApp;
+use common::{credit_acct as credit, TestApp};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use lapin::message::Delivery;
@@ -24,17 +24,6 @@ use tower_inbox::inbox::ClaimedMessage;
 use tower_inbox::outbox::{AmqpTransport, Delivery as Sent, Effect, EffectId, Transport};
 use tower_inbox::quarantine::{Quarantine, QuarantineFilter, QuarantineSource};
 use tower_inbox::Producer;
-
-/// The business write: one more on the account `acct`.
-fn credit(message: &mut ClaimedMessage) -> BoxFuture<'_, Result<(), sqlx::Error>> {
-    sqlx::query(
-        "insert into credit_account (account_id, balance) values ('acct', 1)
-         on conflict (account_id) do update set balance = credit_account.balance + 1",
-    )
-    .execute(&mut *message)
-    .map(|done| done.map(|_| ()))
-    .boxed()
-}
 
 fn adapter(app: &TestApp, quarantine_after: u32) -> AmqpConsumer {
     let consumer = Consumer::builder(app.pool.clone(), "worker")

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::TestApp;
+use common::{credit_acct as credit, TestApp};
 use futures_util::future::BoxFuture;
 use futures_util::FutureExt;
 use tokio::sync::Notify;
@@ -25,17 +25,6 @@ fn incoming(key: &str, body: &str) -> Incoming {
         MessageKey::new(key).unwrap(),
         Fingerprint::of_bytes(body.as_bytes()),
     )
-}
-
-/// The business write: one more on the account `acct`.
-async fn credit(message: &mut ClaimedMessage) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "insert into credit_account (account_id, balance) values ('acct', 1)
-         on conflict (account_id) do update set balance = credit_account.balance + 1",
-    )
-    .execute(&mut *message)
-    .await
-    .map(|_| ())
 }
 
 fn consumer(app: &TestApp) -> Consumer {

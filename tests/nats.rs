@@ -12,7 +12,7 @@ use async_nats::jetstream::consumer::{pull, PullConsumer};
 use async_nats::jetstream::{self, stream, Context, Message};
 use async_nats::HeaderMap;
 use bytes::Bytes;
-use common::TestApp;
+use common::{credit_acct as credit, TestApp};
 use futures_util::future::BoxFuture;
 use futures_util::{FutureExt, StreamExt};
 use tokio::sync::Notify;
@@ -97,20 +97,6 @@ impl TestStream {
     async fn delete(self) {
         let _ = self.js.delete_stream(&self.name).await;
     }
-}
-
-/// The business write: one more on the account `acct`.
-fn credit(message: &mut ClaimedMessage) -> BoxFuture<'_, Result<(), sqlx::Error>> {
-    async move {
-        sqlx::query(
-            "insert into credit_account (account_id, balance) values ('acct', 1)
-             on conflict (account_id) do update set balance = credit_account.balance + 1",
-        )
-        .execute(&mut *message)
-        .await
-        .map(|_| ())
-    }
-    .boxed()
 }
 
 /// A handler that fails.

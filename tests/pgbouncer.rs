@@ -5,7 +5,7 @@
 //! Every component is given `Schema::default().with_pooling(Pooling::Transaction)`: the layer
 //! in both claim modes and with the lookup first, a duplicate waiting for its original, the
 //! failure record of a failed attempt, the quarantine, the outbox dispatcher (polling, no
-//! `LISTEN`), the purger and the stats task. The service runs on the test's own role through
+//! `LISTEN`), the purger, the stats task and a broker consumer. The service runs on the test's own role through
 //! its own PgBouncer; the tests read the outcome on a direct connection. A control shows the
 //! same traffic failing with the default pooling, so the pooler really shares its server
 //! connections between clients: were it in session mode, the control would pass and fail
@@ -19,15 +19,20 @@ use axum::Router;
 use http::StatusCode;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
+use tower_inbox::consumer::{Consumer, Incoming, Processed};
+use tower_inbox::fingerprint::Fingerprint;
 use tower_inbox::inbox::ClaimMode;
 use tower_inbox::metrics::StatsTask;
 use tower_inbox::outbox::{Dispatcher, HttpTransport};
 use tower_inbox::quarantine::{Quarantine, QuarantineFilter};
 use tower_inbox::retention::{Purger, RetentionPolicy};
 use tower_inbox::schema::{Pooling, Schema};
+use tower_inbox::{MessageKey, Producer};
 use tower_inbox_testdb::{PgBouncer, PoolMode};
 
-use common::{credit, credits, gated_router_on, send, spawn_send, wait_until_waiting, TestApp};
+use common::{
+    credit, credit_acct, credits, gated_router_on, send, spawn_send, wait_until_waiting, TestApp,
+};
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
@@ -304,4 +309,31 @@ async fn delivered_effects(app: &TestApp) -> i64 {
         .fetch_one(&app.owner)
         .await
         .expect("outbox count")
+}
+
+#[tokio::test]
+async fn a_broker_consumer_through_the_pooler() {
+    let b = bounced(2).await;
+    let consumer = Consumer::builder(b.pool.clone(), "worker")
+        .schema(transaction_pooling())
+        .statement_deadline(Duration::from_secs(5))
+        .build()
+        .expect("consumer");
+    assert_eq!(
+        consumer.inbox().statement_deadline(),
+        Duration::from_secs(5)
+    );
+    let incoming = || {
+        Incoming::new(
+            Producer::new("payments").expect("producer"),
+            MessageKey::new("m1").expect("key"),
+            Fingerprint::of_bytes(b"+1"),
+        )
+    };
+    let first = consumer.process(incoming(), credit_acct).await;
+    assert!(matches!(first, Processed::Applied(())), "{first:?}");
+    // Redelivered after a lost ack: a duplicate, applied once.
+    let again = consumer.process(incoming(), credit_acct).await;
+    assert!(matches!(again, Processed::Duplicate(_)), "{again:?}");
+    assert_eq!(b.app.balance("acct").await, Some(1));
 }

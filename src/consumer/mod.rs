@@ -78,6 +78,7 @@ use sqlx::PgPool;
 use time::OffsetDateTime;
 use tracing::Instrument;
 
+use crate::connection::DEFAULT_STATEMENT_DEADLINE;
 use crate::fingerprint::Fingerprint;
 use crate::identity::{MessageIdentity, Producer};
 use crate::inbox::{
@@ -160,6 +161,7 @@ pub struct ConsumerBuilder {
     isolation: IsolationLevel,
     metric_labels: MetricLabels,
     backoff: (Duration, Duration),
+    statement_deadline: Duration,
 }
 
 /// A consumer setting that cannot work.
@@ -189,6 +191,7 @@ impl Consumer {
             isolation: IsolationLevel::default(),
             metric_labels: MetricLabels::default(),
             backoff: (Duration::from_secs(1), Duration::from_secs(300)),
+            statement_deadline: DEFAULT_STATEMENT_DEADLINE,
         }
     }
 
@@ -499,6 +502,14 @@ impl ConsumerBuilder {
         self
     }
 
+    /// How long each of the consumer's own statements (claim, record, `COMMIT`, failure
+    /// records) may wait for its answer (default 10 s); see
+    /// [`Inbox::with_statement_deadline`].
+    pub fn statement_deadline(mut self, deadline: Duration) -> Self {
+        self.statement_deadline = deadline;
+        self
+    }
+
     /// Checks the names and builds the consumer.
     pub fn build(self) -> Result<Consumer, ConsumerConfigError> {
         let consumer = self
@@ -510,7 +521,8 @@ impl ConsumerBuilder {
         let inbox = Inbox::new(self.pool)
             .with_schema(self.schema)
             .with_isolation(self.isolation)
-            .with_metric_labels(self.metric_labels);
+            .with_metric_labels(self.metric_labels)
+            .with_statement_deadline(self.statement_deadline);
         let guard = self
             .retention
             .map(|policy| RetentionGuard::new(inbox.clone(), &policy));

@@ -321,6 +321,22 @@ pub async fn add_one(tx: &mut tower_inbox::InboxTx, account: &str) {
     .expect("write");
 }
 
+/// The broker consumers' business write: one more on the account `acct`, in the claimed
+/// transaction.
+pub fn credit_acct(
+    message: &mut tower_inbox::inbox::ClaimedMessage,
+) -> futures_util::future::BoxFuture<'_, Result<(), sqlx::Error>> {
+    Box::pin(async move {
+        sqlx::query(
+            "insert into credit_account (account_id, balance) values ('acct', 1)
+             on conflict (account_id) do update set balance = credit_account.balance + 1",
+        )
+        .execute(&mut *message)
+        .await
+        .map(|_| ())
+    })
+}
+
 /// `POST /accounts/{account}/credits` with `{"delta": delta}`.
 pub fn credit(
     account: &str,
