@@ -70,6 +70,7 @@ impl Inbox {
         timed: &mut bool,
     ) -> Result<Claim, InboxError> {
         let consumer = identity.consumer();
+        self.check_layout(consumer).await?;
         let lock = ClaimLock::of(&self.schema, &identity);
         let deadline = Instant::now() + wait;
         if let Some(answer) = self
@@ -79,7 +80,7 @@ impl Inbox {
             return Ok(answer);
         }
         let fingerprint_hex = fingerprint.to_hex();
-        let claim_sql = self.schema.sql(sql::CLAIM);
+        let claim_sql = self.schema.sql_for(sql::CLAIM, sql::CLAIM_PARTITIONED);
         let read_sql = self.schema.sql(sql::LOOKUP_OR_BUSY);
         let mut vanished = 0;
         loop {
@@ -242,6 +243,7 @@ impl Inbox {
         handler_version: &str,
         wait: Duration,
     ) -> Result<ClaimedMessage, InboxError> {
+        self.check_layout(identity.consumer()).await?;
         let tx = OwnedTx::begin(&self.pool, self.isolation.begin(), self.deadline)
             .await
             .map_err(|e| self.failed(identity.consumer(), e))?;

@@ -222,7 +222,10 @@ impl ClaimedMessage {
         let (status, names, values, body) = response_binds(response);
         let failed_before = match &self.claimed {
             Claimed::First { failed_before } => {
-                let sql = self.inbox.schema().sql(sql::RECORD);
+                let sql = self
+                    .inbox
+                    .schema()
+                    .sql_for(sql::RECORD, sql::RECORD_PARTITIONED);
                 let record = bind_identity!(sqlx::query(&sql), &self.identity)
                     .bind(status)
                     .bind(names)
@@ -241,7 +244,10 @@ impl ClaimedMessage {
             }
             Claimed::AtCommit(claim) => {
                 let lock = ClaimLock::of(self.inbox.schema(), &self.identity);
-                let sql = self.inbox.schema().sql(sql::CLAIM_AT_COMMIT);
+                let sql = self
+                    .inbox
+                    .schema()
+                    .sql_for(sql::CLAIM_AT_COMMIT, sql::CLAIM_AT_COMMIT_PARTITIONED);
                 let started = Instant::now();
                 let claim_now = bind_identity!(sqlx::query(&sql), &self.identity)
                     .bind(claim.fingerprint.to_hex())

@@ -53,12 +53,30 @@ macro_rules! message_values {
     };
 }
 
+/// The partitioned claim's condition: the lock is free and no committed row holds the key.
+macro_rules! partitioned_free {
+    () => {
+        concat!(
+            "case when lock.free then not tower_inbox.inbox_committed(",
+            utf8!("$1"),
+            ", ",
+            utf8!("$2"),
+            ", ",
+            utf8!("$3"),
+            ", $4) else false end"
+        )
+    };
+}
+
 /// The claim's statement: the key's advisory try-lock, then the insert of the identity
 /// (`$1`..`$4`), fingerprint (`$5`) and handler version (`$6`), with `$columns` and `$values`
 /// after them, unless the lock is held; a row comes back when it inserted, saying whether
 /// earlier attempts failed.
 macro_rules! claim {
     ($columns:literal, $values:literal) => {
+        claim!($columns, $values, "lock.free")
+    };
+    ($columns:literal, $values:literal, $($free:tt)+) => {
         concat!(
             "with lock as ( \
                  select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free \
@@ -70,8 +88,9 @@ macro_rules! claim {
             ") select ",
             message_values!(),
             $values,
-            " from lock where lock.free \
-             on conflict do nothing \
+            " from lock where ",
+            $($free)+,
+            " on conflict do nothing \
              returning ",
             failed_before!(),
             " as failed"
@@ -104,19 +123,50 @@ pub(crate) const CLAIM_AT_COMMIT: &str = claim!(
     ", pg_catalog.clock_timestamp(), $9, $10, $11, $12"
 );
 
+/// The partitioned layout's claim: the key's row may be in any partition, and the primary
+/// key (which includes `received_at`) no longer meets it, so once the lock is free the claim
+/// asks `inbox_committed` (`migrations/partitioned/`), a `VOLATILE` SQL function whose
+/// statement takes a snapshot of its own after the lock was granted: every claim that held
+/// the lock before has committed or rolled back by then, and its row is seen. The `case`
+/// makes the function run only after the lock, and only with it. Valid under `READ
+/// COMMITTED` only (the layer refuses the other levels with this layout). Parameters and
+/// result as [`CLAIM`].
+pub(crate) const CLAIM_PARTITIONED: &str = claim!("", "", partitioned_free!());
+
+/// [`CLAIM_AT_COMMIT`] for the partitioned layout, as [`CLAIM_PARTITIONED`].
+pub(crate) const CLAIM_AT_COMMIT_PARTITIONED: &str = claim!(
+    ", processed_at, response_status, response_header_names, response_header_values, \
+     response_body",
+    ", pg_catalog.clock_timestamp(), $9, $10, $11, $12",
+    partitioned_free!()
+);
+
+/// The record's update of the claimed row, found by its key and `$rest`.
+macro_rules! record {
+    ($rest:literal) => {
+        concat!(
+            "update tower_inbox.consumer_inbox i \
+             set processed_at = pg_catalog.clock_timestamp(), response_status = $5, \
+                 response_header_names = $6, response_header_values = $7, response_body = $8 \
+             where ",
+            key_is!("i"),
+            $rest,
+            " returning 1"
+        )
+    };
+}
+
 /// Records the outcome on the row this transaction claimed (`$5` status, `$6` header names,
 /// `$7` header values, `$8` body); a row comes back when it found the claimed row, and it
 /// must: a claim never commits without its response. The update touches no indexed column,
 /// so it can be HOT. `processed_at` is the time of recording (`clock_timestamp()`), not the
 /// start of the transaction (`now()`, which `received_at` holds).
-pub(crate) const RECORD: &str = concat!(
-    "update tower_inbox.consumer_inbox i \
-     set processed_at = pg_catalog.clock_timestamp(), response_status = $5, \
-         response_header_names = $6, response_header_values = $7, response_body = $8 \
-     where ",
-    key_is!("i"),
-    " returning 1"
-);
+pub(crate) const RECORD: &str = record!("");
+
+/// [`RECORD`] for the partitioned layout: the claimed row's `received_at` is this
+/// transaction's `now()` (the column's default), so the update goes to that partition alone
+/// instead of probing each partition's primary key.
+pub(crate) const RECORD_PARTITIONED: &str = record!(" and i.received_at = pg_catalog.now()");
 
 /// Marks the quarantine item about earlier failed attempts of a command (key `$1`)
 /// recovered, in the transaction that commits its success: the recovery commits exactly when
@@ -269,6 +319,12 @@ join pg_catalog.pg_stat_activity a on a.pid = l.pid \
 where l.locktype = 'advisory' and l.objsubid = 2 and l.granted \
   and a.datname = pg_catalog.current_database() and l.database = a.datid \
 group by l.classid";
+
+/// How the inbox table is laid out: `p` partitioned, `r` plain; no row without the table.
+pub(crate) const RELKIND: &str = "\
+select c.relkind::text from pg_catalog.pg_class c \
+join pg_catalog.pg_namespace n on n.oid = c.relnamespace \
+where n.nspname = $1 and c.relname = 'consumer_inbox'";
 
 /// When the key's row was claimed and recorded (`$1` to `$4`, bound by `bind_identity!`).
 pub(crate) const TIMES: &str = concat!(

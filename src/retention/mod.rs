@@ -107,7 +107,7 @@ mod guard;
 mod policy;
 mod purge;
 mod report;
-mod sql;
+pub(crate) mod sql;
 
 pub use guard::{ExpiredMessage, GuardedClaim, RetentionGuard};
 pub use policy::{

@@ -1,0 +1,514 @@
+//! The partitioned layout (`Layout::Partitioned`): the protocol on a partitioned inbox, the
+//! race its claim must win, the purge dropping whole partitions, the partitions created
+//! ahead, the layout and isolation checks, and the service role's grants.
+
+mod common;
+
+use std::time::Duration;
+
+use http::StatusCode;
+use sqlx::{Connection, PgConnection, PgPool};
+use time::OffsetDateTime;
+use tower_inbox::fingerprint::Fingerprint;
+use tower_inbox::inbox::{
+    Claim, ClaimedMessage, Inbox, InboxError, IsolationLevel, RecordedResponse,
+};
+use tower_inbox::middleware::ConfigError;
+use tower_inbox::partition::{LayoutError, PartitionPlan};
+use tower_inbox::retention::{PurgedTable, Purger, RetentionPolicy};
+use tower_inbox::schema::{grant_statements, migrate_schema, Access, Layout, Schema};
+use tower_inbox::{MessageIdentity, MessageKey, Producer};
+
+use common::{credit, gated_router, send, spawn_send, wait_until_a_lock_is_awaited, TestApp};
+
+const DAY: Duration = Duration::from_secs(24 * 3600);
+
+fn schema() -> Schema {
+    Schema::new("part_inbox")
+        .expect("schema name")
+        .with_layout(Layout::Partitioned)
+}
+
+/// A test app with a partitioned inbox in `part_inbox` beside the plain default one,
+/// migrated by the owner, with today's partitions and the service role's grants for it.
+async fn partitioned_app() -> TestApp {
+    let app = TestApp::new().await;
+    migrate_schema(&app.owner, &schema())
+        .await
+        .expect("partitioned migrations");
+    grant(&app, app.role.name(), Access::ServiceAndPurge).await;
+    PartitionPlan::default()
+        .create(&app.pool, &schema())
+        .await
+        .expect("partitions");
+    app
+}
+
+fn identity(key: &str) -> MessageIdentity {
+    MessageIdentity::new(
+        "part",
+        Producer::new("app").expect("producer"),
+        MessageKey::new(key).expect("key"),
+    )
+}
+
+/// Claims `key` with payload `body`, which must be free.
+async fn claimed(inbox: &Inbox, key: &str, body: &[u8]) -> ClaimedMessage {
+    match inbox
+        .claim(
+            identity(key),
+            Fingerprint::of_bytes(body),
+            "v1",
+            Duration::ZERO,
+        )
+        .await
+        .expect("claim")
+    {
+        Claim::Claimed(message) => message,
+        other => panic!("{key} was not free: {other:?}"),
+    }
+}
+
+/// The error a claim of `k` through `inbox` fails with.
+async fn refused(inbox: Inbox) -> InboxError {
+    inbox
+        .claim(
+            identity("k"),
+            Fingerprint::of_bytes(b"x"),
+            "v1",
+            Duration::ZERO,
+        )
+        .await
+        .expect_err("refused")
+}
+
+/// Runs the grants `access` needs in the partitioned schema for `role`, as the owner.
+async fn grant(app: &TestApp, role: &str, access: Access) {
+    for grant in grant_statements(&schema(), role, access).unwrap() {
+        sqlx::query(&grant)
+            .execute(&app.owner)
+            .await
+            .unwrap_or_else(|e| panic!("{grant}: {e}"));
+    }
+}
+
+fn response() -> RecordedResponse {
+    RecordedResponse {
+        status: 201,
+        headers: Vec::new(),
+        body: bytes::Bytes::from_static(b"{}"),
+    }
+}
+
+async fn rows_of(pool: &PgPool, key: &str) -> i64 {
+    sqlx::query_scalar("select count(*) from part_inbox.consumer_inbox where message_id = $1")
+        .bind(key)
+        .fetch_one(pool)
+        .await
+        .expect("count")
+}
+
+#[tokio::test]
+async fn first_seen_duplicate_conflict_and_in_flight() {
+    let app = partitioned_app().await;
+    let (router, gate, calls) = gated_router(&app, |b| b.schema(schema()));
+    // In flight: a duplicate waits, then is answered "in progress".
+    let started = gate.started.notified();
+    let original = spawn_send(&router, credit("a1", Some("k1"), Some("app"), 1));
+    started.await;
+    let busy = send(&router, credit("a1", Some("k1"), Some("app"), 1)).await;
+    assert_eq!(busy.status, StatusCode::CONFLICT, "{busy:?}");
+    assert_eq!(busy.problem_type(), "in-progress");
+    gate.release.notify_one();
+    let first = original.await.expect("original");
+    assert_eq!(first.status, StatusCode::CREATED);
+    // Finished: a duplicate gets the recorded response; another payload is a conflict.
+    let replay = send(&router, credit("a1", Some("k1"), Some("app"), 1)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(replay.body, first.body);
+    let conflict = send(&router, credit("a1", Some("k1"), Some("app"), 2)).await;
+    assert_eq!(conflict.problem_type(), "payload-mismatch", "{conflict:?}");
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(rows_of(&app.pool, "k1").await, 1);
+    assert_eq!(app.balance("a1").await, Some(1));
+}
+
+#[tokio::test]
+async fn a_duplicate_claimed_after_the_original_committed_is_a_duplicate() {
+    let app = partitioned_app().await;
+    let inbox = Inbox::new(app.pool.clone()).with_schema(schema());
+    let fp = Fingerprint::of_bytes(b"one");
+    let original = claimed(&inbox, "k", b"one").await;
+    let busy = inbox
+        .claim(identity("k"), fp, "v1", Duration::ZERO)
+        .await
+        .expect("duplicate");
+    assert!(matches!(busy, Claim::InProgress), "{busy:?}");
+    original.commit(Some(&response())).await.expect("commit");
+    let again = inbox
+        .claim(identity("k"), fp, "v1", Duration::ZERO)
+        .await
+        .expect("duplicate");
+    assert!(matches!(again, Claim::Duplicate(_)), "{again:?}");
+    let other = inbox
+        .claim(
+            identity("k"),
+            Fingerprint::of_bytes(b"two"),
+            "v1",
+            Duration::ZERO,
+        )
+        .await
+        .expect("conflict");
+    assert!(matches!(other, Claim::Conflict(_)), "{other:?}");
+    assert_eq!(rows_of(&app.pool, "k").await, 1);
+}
+
+/// The claim statement `inbox` sends, read from its connection's prepared statements (its
+/// pool has one connection, idle now), so the test runs the very statement the crate sends.
+async fn claim_statement(pool: &PgPool) -> String {
+    sqlx::query_scalar(
+        "select statement from pg_prepared_statements
+         where statement like '%inbox_committed%' and statement like 'with lock%'
+           and statement not like '%pg_prepared_statements%'",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("the claim's prepared statement")
+}
+
+/// The claim lock the service role's open transaction holds.
+async fn held_lock(app: &TestApp) -> (i32, i32) {
+    let (k1, k2): (i64, i64) = sqlx::query_as(
+        "select l.classid::int8, l.objid::int8
+         from pg_stat_activity a join pg_locks l on l.pid = a.pid
+         where a.usename = $1 and l.locktype = 'advisory' and l.objsubid = 2 and l.granted",
+    )
+    .bind(app.role.name())
+    .fetch_one(&app.owner)
+    .await
+    .expect("the claim's lock");
+    (k1 as u32 as i32, k2 as u32 as i32)
+}
+
+/// The claim's check must read with a snapshot taken after its lock: a claim whose
+/// statement started while the original was in flight, and that got the lock once the
+/// original committed, must see the original's row. The lock is made a waiting one (the
+/// only change to the crate's statement) so that the statement is held between its start
+/// and the lock; the same statement with the check inlined into it (the statement's own,
+/// older snapshot) inserts a second row, which shows what the test catches.
+#[tokio::test]
+async fn the_partitioned_claim_sees_a_row_committed_after_its_statement_started() {
+    let app = partitioned_app().await;
+    let single = app.pool_with(1, &[]);
+    let inbox = Inbox::new(single).with_schema(schema());
+
+    async fn race(
+        app: &TestApp,
+        inbox: &Inbox,
+        claim: &str,
+        key: &str,
+        inline_check: bool,
+    ) -> bool {
+        let original = claimed(inbox, key, b"one").await;
+        let (k1, k2) = held_lock(app).await;
+        let free = "select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free";
+        assert!(claim.contains(free), "{claim}");
+        let mut waiting = claim.replace(
+            free,
+            "select true as free from pg_catalog.pg_advisory_xact_lock($7, $8)",
+        );
+        if inline_check {
+            let start = waiting
+                .find("not \"part_inbox\".inbox_committed(")
+                .expect("check");
+            let end = start + waiting[start..].find(" else false").expect("end of check");
+            waiting.replace_range(
+                start..end,
+                "not exists (select 1 from part_inbox.consumer_inbox c where c.message_id = $4)",
+            );
+        }
+        let mut conn = PgConnection::connect_with(&app.role.connect_options())
+            .await
+            .expect("connect");
+        sqlx::query("begin").execute(&mut conn).await.unwrap();
+        let key = key.to_owned();
+        let duplicate = tokio::spawn(async move {
+            let row = sqlx::query(&waiting)
+                .bind(b"part".as_slice())
+                .bind(b"app".as_slice())
+                .bind(b"".as_slice())
+                .bind(key)
+                .bind(Fingerprint::of_bytes(b"one").to_hex())
+                .bind(b"v1".as_slice())
+                .bind(k1)
+                .bind(k2)
+                .fetch_optional(&mut conn)
+                .await
+                .expect("the duplicate's claim");
+            sqlx::query("commit").execute(&mut conn).await.unwrap();
+            row.is_some()
+        });
+        wait_until_a_lock_is_awaited(&app.owner).await;
+        original.commit(Some(&response())).await.expect("commit");
+        duplicate.await.expect("duplicate task")
+    }
+
+    let warm_up = claimed(&inbox, "warm-up", b"one").await;
+    warm_up.rollback().await.expect("rollback");
+    let claim = claim_statement(inbox.pool()).await;
+    assert!(
+        !race(&app, &inbox, &claim, "fresh", false).await,
+        "the partitioned claim inserted a second row for a committed key"
+    );
+    assert_eq!(rows_of(&app.pool, "fresh").await, 1);
+    assert!(
+        race(&app, &inbox, &claim, "stale", true).await,
+        "a check with the statement's own snapshot was expected to miss the commit"
+    );
+    assert_eq!(rows_of(&app.pool, "stale").await, 2);
+}
+
+#[tokio::test]
+async fn repeatable_read_and_serializable_are_refused() {
+    let app = partitioned_app().await;
+    for level in [IsolationLevel::RepeatableRead, IsolationLevel::Serializable] {
+        let built = tower_inbox::InboxLayer::builder(app.pool.clone(), "part")
+            .producer(tower_inbox::producer::TrustedHeader::new("x-producer"))
+            .schema(schema())
+            .isolation_level(level)
+            .build();
+        assert!(
+            matches!(
+                built,
+                Err(ConfigError::Layout(LayoutError::Isolation { .. }))
+            ),
+            "{level:?}"
+        );
+        let consumer = tower_inbox::consumer::Consumer::builder(app.pool.clone(), "part")
+            .schema(schema())
+            .isolation_level(level)
+            .build();
+        assert!(consumer.is_err(), "{level:?}");
+        let claim = Inbox::new(app.pool.clone())
+            .with_schema(schema())
+            .with_isolation(level)
+            .claim(
+                identity("k"),
+                Fingerprint::of_bytes(b"x"),
+                "v1",
+                Duration::ZERO,
+            )
+            .await;
+        let err = claim.expect_err("refused");
+        assert!(matches!(err, InboxError::Layout(_)), "{err}");
+        assert!(err.to_string().contains("part_inbox"), "{err}");
+    }
+    assert_eq!(rows_of(&app.pool, "k").await, 0);
+}
+
+#[tokio::test]
+async fn a_layout_other_than_the_databases_is_refused_at_the_first_claim() {
+    let app = partitioned_app().await;
+    // Partitioned in the database, plain in the settings (and the reverse).
+    let plain = Schema::new("part_inbox").unwrap();
+    let err = refused(Inbox::new(app.pool.clone()).with_schema(plain)).await;
+    let text = err.to_string();
+    assert!(
+        text.contains("part_inbox") && text.contains("partitioned in the database"),
+        "{text}"
+    );
+    let err = refused(
+        Inbox::new(app.pool.clone())
+            .with_schema(Schema::default().with_layout(Layout::Partitioned)),
+    )
+    .await;
+    assert!(err.to_string().contains("plain in the database"), "{err}");
+    let missing = Schema::new("nowhere").unwrap();
+    let err = refused(Inbox::new(app.pool.clone()).with_schema(missing)).await;
+    assert!(err.to_string().contains("missing in the database"), "{err}");
+    // The plain migrator refuses the partitioned schema.
+    assert!(
+        migrate_schema(&app.owner, &Schema::new("part_inbox").unwrap())
+            .await
+            .is_err()
+    );
+}
+
+/// Adds processed rows received `age` ago to the partitioned inbox, as the owner.
+async fn add_row(app: &TestApp, producer: &str, key: &str, age: Duration) {
+    sqlx::query(
+        "insert into part_inbox.consumer_inbox
+             (consumer_name, producer_name, message_id, payload_sha256, handler_version,
+              received_at, processed_at, response_status)
+         select 'part', $1, $2, repeat('a', 64), 'v1', t, t, 201
+         from (select now() - make_interval(secs => $3)) r(t)",
+    )
+    .bind(producer)
+    .bind(key)
+    .bind(age.as_secs_f64())
+    .execute(&app.owner)
+    .await
+    .expect("row");
+}
+
+async fn partitions(app: &TestApp) -> Vec<String> {
+    sqlx::query_scalar(
+        "select c.relname::text from pg_inherits h join pg_class c on c.oid = h.inhrelid
+         where h.inhparent = 'part_inbox.consumer_inbox'::regclass order by 1",
+    )
+    .fetch_all(&app.owner)
+    .await
+    .expect("partitions")
+}
+
+#[tokio::test]
+async fn the_purge_drops_old_partitions_and_keeps_what_must_be_kept() {
+    let app = partitioned_app().await;
+    PartitionPlan::default()
+        .create_since(
+            &app.pool,
+            &schema(),
+            Some(OffsetDateTime::now_utc() - time::Duration::days(20)),
+        )
+        .await
+        .expect("past partitions");
+    let before = partitions(&app).await;
+    assert!(before.len() >= 23, "{before:?}");
+    add_row(&app, "app", "old", 10 * DAY).await;
+    add_row(&app, "migration:m1", "step", 10 * DAY).await;
+    add_row(&app, "app", "quarantined", 10 * DAY).await;
+    add_row(&app, "app", "recent", Duration::from_secs(60)).await;
+    sqlx::query(
+        "insert into part_inbox.inbox_quarantine
+             (source, item_key, consumer_name, producer_name, tenant_id, message_id,
+              payload_sha256, payload_ref, reason_code)
+         values ('identity-conflict', 'k', 'part', 'app', '', 'quarantined', repeat('b', 64),
+                 'sha256:b', 'conflict')",
+    )
+    .execute(&app.owner)
+    .await
+    .expect("open item");
+    let policy = RetentionPolicy::builder()
+        .retry_horizon(DAY)
+        .safety_margin(DAY)
+        .build()
+        .unwrap();
+    let purger = Purger::builder(app.pool.clone())
+        .schema(schema())
+        .inbox(policy)
+        .build()
+        .unwrap();
+    let dry = purger.dry_run().await.expect("dry run");
+    assert_eq!(dry.rows(PurgedTable::ConsumerInbox), 1, "{dry}");
+    assert_eq!(partitions(&app).await, before, "a dry run dropped nothing");
+
+    let report = purger.purge().await.expect("purge");
+    assert_eq!(report.rows(PurgedTable::ConsumerInbox), 1, "{report}");
+    let after = partitions(&app).await;
+    // Every partition whose range ended two days ago or earlier is gone; today's is there.
+    assert!(after.len() < before.len() - 15, "{after:?}");
+    assert!(after.contains(&"consumer_inbox_default".to_owned()));
+    let kept: Vec<(String, String)> = sqlx::query_as(
+        "select message_id, tableoid::regclass::text from part_inbox.consumer_inbox
+         order by message_id",
+    )
+    .fetch_all(&app.pool)
+    .await
+    .unwrap();
+    let keys: Vec<&str> = kept.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(keys, ["quarantined", "recent", "step"], "{kept:?}");
+    assert!(kept[0].1.ends_with("consumer_inbox_default"), "{kept:?}");
+    assert!(kept[2].1.ends_with("consumer_inbox_default"), "{kept:?}");
+
+    // Decided, the item no longer keeps its row: the default partition's batched purge
+    // takes it.
+    sqlx::query("update part_inbox.inbox_quarantine set decision = 'discard', decided_at = now()")
+        .execute(&app.owner)
+        .await
+        .unwrap();
+    let report = purger.purge().await.expect("purge");
+    assert_eq!(report.rows(PurgedTable::ConsumerInbox), 1, "{report}");
+    assert_eq!(rows_of(&app.pool, "quarantined").await, 0);
+    assert_eq!(rows_of(&app.pool, "step").await, 1);
+}
+
+#[tokio::test]
+async fn partitions_are_created_ahead_and_claims_without_one_land_in_the_default() {
+    let app = TestApp::new().await;
+    migrate_schema(&app.owner, &schema())
+        .await
+        .expect("migrate");
+    grant(&app, app.role.name(), Access::ServiceAndPurge).await;
+    assert_eq!(partitions(&app).await, ["consumer_inbox_default"]);
+    // No partition yet: the claim lands in the default partition.
+    let inbox = Inbox::new(app.pool.clone()).with_schema(schema());
+    let message = claimed(&inbox, "early", b"x").await;
+    message.commit(Some(&response())).await.unwrap();
+    let plan = PartitionPlan::new(Duration::from_secs(3600), 3).unwrap();
+    assert_eq!(plan.create(&app.pool, &schema()).await.unwrap(), 4);
+    assert_eq!(plan.create(&app.pool, &schema()).await.unwrap(), 0);
+    assert_eq!(partitions(&app).await.len(), 5);
+    // The early row moved into the partition created for its time.
+    let home: String = sqlx::query_scalar(
+        "select tableoid::regclass::text from part_inbox.consumer_inbox where message_id = 'early'",
+    )
+    .fetch_one(&app.pool)
+    .await
+    .unwrap();
+    assert!(home.contains("consumer_inbox_p"), "{home}");
+    // A duplicate still finds it.
+    let again = inbox
+        .claim(
+            identity("early"),
+            Fingerprint::of_bytes(b"x"),
+            "v1",
+            Duration::ZERO,
+        )
+        .await
+        .unwrap();
+    assert!(matches!(again, Claim::Duplicate(_)), "{again:?}");
+    // The purger creates them too, with its plan.
+    let purger = Purger::builder(app.pool.clone())
+        .schema(schema())
+        .inbox(
+            RetentionPolicy::builder()
+                .retry_horizon(DAY)
+                .safety_margin(DAY)
+                .build()
+                .unwrap(),
+        )
+        .partitions(PartitionPlan::new(Duration::from_secs(3600), 6).unwrap())
+        .build()
+        .unwrap();
+    purger.purge().await.expect("purge");
+    assert_eq!(partitions(&app).await.len(), 8);
+    assert!(PartitionPlan::new(Duration::from_secs(90), 1).is_err());
+}
+
+#[tokio::test]
+async fn the_service_role_without_purge_grants_cannot_manage_partitions() {
+    let app = partitioned_app().await;
+    let role = app.db.login_role().await.expect("role");
+    grant(&app, role.name(), Access::Service).await;
+    let service = role.pool(2);
+    // It claims and records...
+    let inbox = Inbox::new(service.clone()).with_schema(schema());
+    let message = claimed(&inbox, "k", b"x").await;
+    message.commit(Some(&response())).await.expect("commit");
+    // ...but neither creates nor drops partitions.
+    let err = PartitionPlan::default()
+        .create(&service, &schema())
+        .await
+        .expect_err("no EXECUTE");
+    assert!(err.to_string().contains("permission denied"), "{err}");
+    let dropped = sqlx::query(
+        "select * from part_inbox.inbox_drop_partition('consumer_inbox_default', now())",
+    )
+    .execute(&service)
+    .await
+    .expect_err("no EXECUTE");
+    assert!(
+        dropped.to_string().contains("permission denied"),
+        "{dropped}"
+    );
+}
