@@ -134,6 +134,26 @@ async fn first_seen_duplicate_conflict_and_in_flight() {
 }
 
 #[tokio::test]
+async fn the_claim_at_commit_claims_once_and_replays() {
+    let app = partitioned_app().await;
+    let (router, gate, calls) = gated_router(&app, |b| {
+        b.schema(schema())
+            .claim_mode(tower_inbox::inbox::ClaimMode::AtCommit)
+    });
+    let started = gate.started.notified();
+    let original = spawn_send(&router, credit("a2", Some("k2"), Some("app"), 1));
+    started.await;
+    gate.release.notify_one();
+    let first = original.await.expect("original");
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let replay = send(&router, credit("a2", Some("k2"), Some("app"), 1)).await;
+    assert!(replay.replayed(), "{replay:?}");
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(rows_of(&app.pool, "k2").await, 1);
+    assert_eq!(app.balance("a2").await, Some(1));
+}
+
+#[tokio::test]
 async fn a_duplicate_claimed_after_the_original_committed_is_a_duplicate() {
     let app = partitioned_app().await;
     let inbox = Inbox::new(app.pool.clone()).with_schema(schema());
@@ -168,8 +188,7 @@ async fn a_duplicate_claimed_after_the_original_committed_is_a_duplicate() {
 async fn claim_statement(pool: &PgPool) -> String {
     sqlx::query_scalar(
         "select statement from pg_prepared_statements
-         where statement like '%inbox_committed%' and statement like 'with lock%'
-           and statement not like '%pg_prepared_statements%'",
+         where statement like 'with lock%' and statement not like '%pg_prepared_statements%'",
     )
     .fetch_one(pool)
     .await
@@ -190,80 +209,86 @@ async fn held_lock(app: &TestApp) -> (i32, i32) {
     (k1 as u32 as i32, k2 as u32 as i32)
 }
 
-/// The claim's check must read with a snapshot taken after its lock: a claim whose
-/// statement started while the original was in flight, and that got the lock once the
-/// original committed, must see the original's row. The lock is made a waiting one (the
-/// only change to the crate's statement) so that the statement is held between its start
-/// and the lock; the same statement with the check inlined into it (the statement's own,
-/// older snapshot) inserts a second row, which shows what the test catches.
+/// The partitioned claim's check must read with a snapshot taken after its lock was
+/// granted: a duplicate that asked for the lock while the original was in flight, and got
+/// it once the original committed, must see the original's row. The crate takes the lock in
+/// a statement of its own before the claim; here that statement is made a waiting one (so
+/// that the duplicate is held until the original commits), then the crate's claim statement
+/// runs and must insert nothing. Sent as one statement, with the lock taken inside the
+/// claim (a snapshot older than the lock), the same claim inserts a second row: what the
+/// test would catch.
 #[tokio::test]
-async fn the_partitioned_claim_sees_a_row_committed_after_its_statement_started() {
+async fn the_partitioned_claim_sees_a_row_committed_while_it_waited_for_the_lock() {
     let app = partitioned_app().await;
     let single = app.pool_with(1, &[]);
     let inbox = Inbox::new(single).with_schema(schema());
-
-    async fn race(
-        app: &TestApp,
-        inbox: &Inbox,
-        claim: &str,
-        key: &str,
-        inline_check: bool,
-    ) -> bool {
-        let original = claimed(inbox, key, b"one").await;
-        let (k1, k2) = held_lock(app).await;
-        let free = "select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free";
-        assert!(claim.contains(free), "{claim}");
-        let mut waiting = claim.replace(
-            free,
-            "select true as free from pg_catalog.pg_advisory_xact_lock($7, $8)",
-        );
-        if inline_check {
-            let start = waiting
-                .find("not \"part_inbox\".inbox_committed(")
-                .expect("check");
-            let end = start + waiting[start..].find(" else false").expect("end of check");
-            waiting.replace_range(
-                start..end,
-                "not exists (select 1 from part_inbox.consumer_inbox c where c.message_id = $4)",
-            );
-        }
-        let mut conn = PgConnection::connect_with(&app.role.connect_options())
-            .await
-            .expect("connect");
-        sqlx::query("begin").execute(&mut conn).await.unwrap();
-        let key = key.to_owned();
-        let duplicate = tokio::spawn(async move {
-            let row = sqlx::query(&waiting)
-                .bind(b"part".as_slice())
-                .bind(b"app".as_slice())
-                .bind(b"".as_slice())
-                .bind(key)
-                .bind(Fingerprint::of_bytes(b"one").to_hex())
-                .bind(b"v1".as_slice())
-                .bind(k1)
-                .bind(k2)
-                .fetch_optional(&mut conn)
-                .await
-                .expect("the duplicate's claim");
-            sqlx::query("commit").execute(&mut conn).await.unwrap();
-            row.is_some()
-        });
-        wait_until_a_lock_is_awaited(&app.owner).await;
-        original.commit(Some(&response())).await.expect("commit");
-        duplicate.await.expect("duplicate task")
-    }
-
     let warm_up = claimed(&inbox, "warm-up", b"one").await;
     warm_up.rollback().await.expect("rollback");
     let claim = claim_statement(inbox.pool()).await;
+    // The crate took the lock in a statement of its own before that claim.
+    let lock_first: bool = sqlx::query_scalar(
+        "select exists (select from pg_prepared_statements
+                        where statement = 'select pg_catalog.pg_try_advisory_xact_lock($1, $2)')",
+    )
+    .fetch_one(inbox.pool())
+    .await
+    .unwrap();
+    assert!(lock_first, "no lock statement before the partitioned claim");
+    let try_lock = "select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free";
+    assert!(claim.contains(try_lock), "{claim}");
+    let waiting_lock = "select true as free from pg_catalog.pg_advisory_xact_lock($7, $8)";
+
+    // Whether the duplicate's claim inserted a row. `lock_inside`: the waiting lock is the
+    // claim's own, in its statement; otherwise a statement of its own, before the claim.
+    let race = |key: &'static str, lock_inside: bool| {
+        let (app, inbox, claim) = (&app, &inbox, claim.clone());
+        async move {
+            let original = claimed(inbox, key, b"one").await;
+            let (k1, k2) = held_lock(app).await;
+            let mut conn = PgConnection::connect_with(&app.role.connect_options())
+                .await
+                .expect("connect");
+            let duplicate = tokio::spawn(async move {
+                sqlx::query("begin").execute(&mut conn).await.unwrap();
+                let statement = if lock_inside {
+                    claim.replace(try_lock, waiting_lock)
+                } else {
+                    sqlx::query("select pg_catalog.pg_advisory_xact_lock($1, $2)")
+                        .bind(k1)
+                        .bind(k2)
+                        .execute(&mut conn)
+                        .await
+                        .expect("the lock");
+                    claim
+                };
+                let row = sqlx::query(&statement)
+                    .bind(b"part".as_slice())
+                    .bind(b"app".as_slice())
+                    .bind(b"".as_slice())
+                    .bind(key)
+                    .bind(Fingerprint::of_bytes(b"one").to_hex())
+                    .bind(b"v1".as_slice())
+                    .bind(k1)
+                    .bind(k2)
+                    .fetch_optional(&mut conn)
+                    .await
+                    .expect("the duplicate's claim");
+                sqlx::query("commit").execute(&mut conn).await.unwrap();
+                row.is_some()
+            });
+            wait_until_a_lock_is_awaited(&app.owner).await;
+            original.commit(Some(&response())).await.expect("commit");
+            duplicate.await.expect("duplicate task")
+        }
+    };
     assert!(
-        !race(&app, &inbox, &claim, "fresh", false).await,
+        !race("fresh", false).await,
         "the partitioned claim inserted a second row for a committed key"
     );
     assert_eq!(rows_of(&app.pool, "fresh").await, 1);
     assert!(
-        race(&app, &inbox, &claim, "stale", true).await,
-        "a check with the statement's own snapshot was expected to miss the commit"
+        race("stale", true).await,
+        "a claim whose snapshot predates its lock was expected to miss the commit"
     );
     assert_eq!(rows_of(&app.pool, "stale").await, 2);
 }
@@ -511,4 +536,33 @@ async fn the_service_role_without_purge_grants_cannot_manage_partitions() {
         dropped.to_string().contains("permission denied"),
         "{dropped}"
     );
+}
+
+#[tokio::test]
+async fn the_stats_count_the_partitions_bytes_and_rows() {
+    let app = partitioned_app().await;
+    let inbox = Inbox::new(app.pool.clone()).with_schema(schema());
+    for key in ["s1", "s2"] {
+        claimed(&inbox, key, b"x")
+            .await
+            .commit(Some(&response()))
+            .await
+            .expect("commit");
+    }
+    let stats = tower_inbox::metrics::StatsTask::new(app.pool.clone())
+        .with_schema(schema())
+        .collect()
+        .await
+        .expect("stats");
+    let bytes: i64 = sqlx::query_scalar(
+        "select sum(pg_total_relation_size(relid))::int8
+         from pg_partition_tree('part_inbox.consumer_inbox') where isleaf",
+    )
+    .fetch_one(&app.owner)
+    .await
+    .unwrap();
+    assert!(bytes > 0);
+    assert_eq!(stats.inbox_table_bytes, bytes);
+    let rows: i64 = stats.inbox.iter().map(|c| c.rows).sum();
+    assert_eq!(rows, 2, "{:?}", stats.inbox);
 }

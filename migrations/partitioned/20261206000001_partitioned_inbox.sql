@@ -4,8 +4,9 @@
 -- consumer_inbox becomes partitioned by received_at, so the purge drops a partition whose
 -- whole range is past the window instead of deleting its rows in batches. A unique key of a
 -- partitioned table must include the partition column, so the primary key no longer makes a
--- second row of one identity impossible: the claim's advisory lock on the key and
--- inbox_committed() (below) do. Statements that rely on that are in src/partition/sql.rs.
+-- second row of one identity impossible: the claim's advisory lock on the key, taken in a
+-- statement before the claim, and the claim's check for a committed row of the key in any
+-- partition do (src/inbox/sql.rs, CLAIM_PARTITIONED).
 --
 -- Like the others, these statements name no schema: search_path is the inbox schema alone.
 
@@ -32,7 +33,7 @@ alter table consumer_inbox_partitioned rename to consumer_inbox;
 alter index consumer_inbox_partitioned_pkey rename to consumer_inbox_pkey;
 
 comment on table consumer_inbox is
-    'tower-inbox (partitioned by received_at): one row per claimed command; the claim lock and inbox_committed() serialise concurrent claims';
+    'tower-inbox (partitioned by received_at): one row per claimed command; the claim lock, taken before the claim, serialises concurrent claims';
 
 -- Rows no range partition takes: claims made while no partition covers now() (the purger
 -- creates them ahead), and rows a partition drop had to keep (an open quarantine item, a
@@ -45,27 +46,6 @@ create table consumer_inbox_default partition of consumer_inbox default
 
 -- The purge of the default partition walks it by received_at (as the plain purge does).
 create index consumer_inbox_received_at on consumer_inbox (received_at);
-
--- Whether a committed row holds this identity, in any partition. VOLATILE, and a
--- SQL-standard body: each call reads with a snapshot of its own, taken when it runs, so
--- under READ COMMITTED a claim that got the key's advisory lock sees every row committed
--- before that (the lock is released only after the holder's commit is visible). Its FROM
--- clause keeps it from being inlined into the claim's statement, whose snapshot predates
--- the lock. Under REPEATABLE READ and SERIALIZABLE the transaction's snapshot is used
--- instead, which is why the layer refuses those levels with this layout.
-create function inbox_committed(consumer text, producer text, tenant text, message text)
-returns boolean
-language sql volatile
-begin atomic
-    select count(*) > 0 from (
-        select from consumer_inbox i
-        where i.consumer_name = consumer and i.producer_name = producer
-          and i.tenant_id = tenant and i.message_id = message
-        limit 1
-    ) as found;
-end;
-
-revoke execute on function inbox_committed(text, text, text, text) from public;
 
 -- Partition maintenance runs as the owner of the tables (SECURITY DEFINER): only an owner may
 -- attach, detach or drop partitions, and the service's role owns nothing. Each function finds

@@ -87,15 +87,23 @@ impl Inbox {
             let mut tx = OwnedTx::begin(&self.pool, self.isolation.begin(), self.deadline)
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
-            let claim = bind_identity!(sqlx::query(&claim_sql), &identity)
-                .bind(&fingerprint_hex)
-                .bind(handler_version.as_bytes())
-                .bind(lock.0)
-                .bind(lock.1)
-                .fetch_optional(&mut *tx);
-            let claimed = within(self.deadline, claim)
+            let free = self
+                .lock_before_claim(&mut tx, lock)
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
+            let claimed = if free {
+                let claim = bind_identity!(sqlx::query(&claim_sql), &identity)
+                    .bind(&fingerprint_hex)
+                    .bind(handler_version.as_bytes())
+                    .bind(lock.0)
+                    .bind(lock.1)
+                    .fetch_optional(&mut *tx);
+                within(self.deadline, claim)
+                    .await
+                    .map_err(|e| self.failed(consumer, e))?
+            } else {
+                None
+            };
             *timed = true;
             if let Some(row) = claimed {
                 let failed_before = row.try_get("failed").map_err(InboxError::Database)?;

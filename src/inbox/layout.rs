@@ -1,9 +1,30 @@
 //! The checks that keep claims to what the schema's [layout](crate::partition) allows.
 
-use sqlx::PgPool;
+use sqlx::{PgConnection, PgPool};
 
-use super::{sql, InboxError, IsolationLevel};
+use super::{sql, ClaimLock, Inbox, InboxError, IsolationLevel};
+use crate::connection::within;
 use crate::schema::{Layout, Schema};
+
+impl Inbox {
+    /// With the partitioned layout, takes the key's claim lock in a statement of its own
+    /// before the claim ([`sql::CLAIM_PARTITIONED`] says why); whether it was free. The plain
+    /// layout's claim takes it itself: `true`, and no statement sent.
+    pub(crate) async fn lock_before_claim(
+        &self,
+        conn: &mut PgConnection,
+        lock: ClaimLock,
+    ) -> Result<bool, sqlx::Error> {
+        if self.schema.layout() == Layout::Plain {
+            return Ok(true);
+        }
+        let try_lock = sqlx::query_scalar(sql::TRY_CLAIM_LOCK)
+            .bind(lock.0)
+            .bind(lock.1)
+            .fetch_one(conn);
+        within(self.deadline, try_lock).await
+    }
+}
 
 /// A layout the settings or the database do not allow.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

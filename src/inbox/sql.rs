@@ -53,17 +53,14 @@ macro_rules! message_values {
     };
 }
 
-/// The partitioned claim's condition: the lock is free and no committed row holds the key.
+/// The partitioned claim's condition: the lock is free and no committed row holds the key,
+/// in any partition.
 macro_rules! partitioned_free {
     () => {
         concat!(
-            "case when lock.free then not tower_inbox.inbox_committed(",
-            utf8!("$1"),
-            ", ",
-            utf8!("$2"),
-            ", ",
-            utf8!("$3"),
-            ", $4) else false end"
+            "lock.free and not exists (select 1 from tower_inbox.consumer_inbox c where ",
+            key_is!("c"),
+            ")"
         )
     };
 }
@@ -124,13 +121,15 @@ pub(crate) const CLAIM_AT_COMMIT: &str = claim!(
 );
 
 /// The partitioned layout's claim: the key's row may be in any partition, and the primary
-/// key (which includes `received_at`) no longer meets it, so once the lock is free the claim
-/// asks `inbox_committed` (`migrations/partitioned/`), a `VOLATILE` SQL function whose
-/// statement takes a snapshot of its own after the lock was granted: every claim that held
-/// the lock before has committed or rolled back by then, and its row is seen. The `case`
-/// makes the function run only after the lock, and only with it. Valid under `READ
-/// COMMITTED` only (the layer refuses the other levels with this layout). Parameters and
-/// result as [`CLAIM`].
+/// key (which includes `received_at`) no longer meets it, so the claim looks for a
+/// committed row of the key itself. **It must follow [`TRY_CLAIM_LOCK`], granted, in the
+/// same transaction** (`Inbox::lock_before_claim`): a statement reads with a snapshot taken
+/// when it starts, so only a statement that starts after the lock was granted sees the row
+/// of every claim that held the lock before (a claim releases it only after its commit is
+/// visible). Its own try-lock is then the same lock taken again, always free. That holds
+/// under `READ COMMITTED`; under `REPEATABLE READ` or `SERIALIZABLE` the transaction's first
+/// snapshot would be used, so the layer refuses those levels with this layout. Parameters
+/// and result as [`CLAIM`].
 pub(crate) const CLAIM_PARTITIONED: &str = claim!("", "", partitioned_free!());
 
 /// [`CLAIM_AT_COMMIT`] for the partitioned layout, as [`CLAIM_PARTITIONED`].

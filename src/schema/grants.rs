@@ -10,10 +10,6 @@ const SERVICE: &str = include_str!("../../migrations/grants/service.sql");
 /// What the retention purge needs on top: `migrations/grants/purge.sql`.
 const PURGE: &str = include_str!("../../migrations/grants/purge.sql");
 
-/// What the service needs on top with the partitioned layout:
-/// `migrations/grants/partitioned_service.sql`.
-const PARTITIONED_SERVICE: &str = include_str!("../../migrations/grants/partitioned_service.sql");
-
 /// What the purge needs on top with the partitioned layout:
 /// `migrations/grants/partitioned_purge.sql`.
 const PARTITIONED_PURGE: &str = include_str!("../../migrations/grants/partitioned_purge.sql");
@@ -41,9 +37,9 @@ pub struct RoleError(String);
 
 /// The `GRANT` statements that give `role` what `access` needs in `schema`, one statement a
 /// string, to run as the owner of the schema's tables after the migrations (again after an
-/// upgrade whose migrations add a table). With the [partitioned layout](Layout::Partitioned)
-/// they also grant `EXECUTE` on the claim's function and, for the purge, on the two
-/// partition maintenance functions and the rights on the default partition.
+/// upgrade whose migrations add a table). With the [partitioned layout](Layout::Partitioned),
+/// the purge's also grant `EXECUTE` on its partition functions and its rights on the
+/// default partition; the service needs nothing more.
 ///
 /// `role` is the name as PostgreSQL stores it (an unquoted `CREATE ROLE App` is `app`); it is
 /// quoted in the statements, so any name is safe to pass. Nothing is granted on
@@ -69,12 +65,9 @@ pub fn grant_statements(
         return Err(RoleError(role.to_owned()));
     }
     let scripts: &[&str] = match (access, schema.layout()) {
-        (Access::Service, Layout::Plain) => &[SERVICE],
+        (Access::Service, _) => &[SERVICE],
         (Access::ServiceAndPurge, Layout::Plain) => &[SERVICE, PURGE],
-        (Access::Service, Layout::Partitioned) => &[SERVICE, PARTITIONED_SERVICE],
-        (Access::ServiceAndPurge, Layout::Partitioned) => {
-            &[SERVICE, PARTITIONED_SERVICE, PURGE, PARTITIONED_PURGE]
-        }
+        (Access::ServiceAndPurge, Layout::Partitioned) => &[SERVICE, PURGE, PARTITIONED_PURGE],
     };
     // The schema name is validated (lowercase letters, digits, '_'): quoting is enough.
     let schema = format!("\"{}\"", schema.name());
@@ -124,12 +117,13 @@ mod tests {
     }
 
     #[test]
-    fn the_partitioned_layout_adds_its_functions_and_default_partition() {
+    fn the_partitioned_layout_adds_the_purges_functions_and_default_partition() {
         let schema = Schema::default().with_layout(Layout::Partitioned);
         let service = grant_statements(&schema, "app", Access::Service).unwrap();
-        assert_eq!(service.len(), 3);
-        assert!(service[2].contains("inbox_committed"), "{}", service[2]);
-        assert!(service.iter().all(|g| !g.contains("inbox_drop_partition")));
+        assert_eq!(
+            service,
+            grant_statements(&Schema::default(), "app", Access::Service).unwrap()
+        );
         let purge = grant_statements(&schema, "app", Access::ServiceAndPurge).unwrap();
         assert!(purge.iter().any(|g| g.contains("inbox_drop_partition")));
         assert!(purge
