@@ -39,6 +39,9 @@
 //!   of that count over time divided by the requests is the mean hold per request
 //!   (acquire to release, the release ping not included). This is what pool sizing needs
 //!   (Little's law: connections busy = requests per second × hold per request).
+//! - `partitions` (by name only; `benches/scale/partitions.rs`): the inbox purge at
+//!   `SCALE_PARTITION_ROWS` rows, dropping partitions (`Layout::Partitioned`) against the
+//!   batched delete, with first-seen latency during each purge and the table and index sizes.
 //!
 //! # Settings
 //!
@@ -53,6 +56,9 @@
 //! | `SCALE_PURGE_BASE_SECS` | 10 | seconds of load without the purge, before and after it |
 //! | `SCALE_PURGE_BATCH` | 200 | the purger's batch size (its default) |
 //! | `SCALE_PURGE_PAUSE_MS` | 50 | the purger's pause between batches (its default) |
+//! | `SCALE_PARTITION_ROWS` | 10000000 | inbox rows of `partitions` (each layout) |
+//! | `SCALE_PARTITION_STEP_HOURS` | 24 | the partitioned layout's partition step in `partitions` |
+//! | `SCALE_PARTITION_LAYOUTS` | `plain,partitioned` | the layouts `partitions` measures |
 //! | `SCALE_ONE_KEY` | 64 | concurrent requests of `one-key` |
 //! | `SCALE_ONE_KEY_TRIALS` | 20 | trials of `one-key` |
 //! | `SCALE_HOLD_REQUESTS` | 2000 | requests per case, mode and round (`hold`) |

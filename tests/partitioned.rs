@@ -15,7 +15,7 @@ use tower_inbox::inbox::{
 };
 use tower_inbox::middleware::ConfigError;
 use tower_inbox::partition::{LayoutError, PartitionPlan};
-use tower_inbox::retention::{PurgedTable, Purger, RetentionPolicy};
+use tower_inbox::retention::{PurgedTable, Purger, PurgerBuilder, RetentionPolicy};
 use tower_inbox::schema::{grant_statements, migrate_schema, Access, Layout, Schema};
 use tower_inbox::{MessageIdentity, MessageKey, Producer};
 
@@ -413,16 +413,7 @@ async fn the_purge_drops_old_partitions_and_keeps_what_must_be_kept() {
     .execute(&app.owner)
     .await
     .expect("open item");
-    let policy = RetentionPolicy::builder()
-        .retry_horizon(DAY)
-        .safety_margin(DAY)
-        .build()
-        .unwrap();
-    let purger = Purger::builder(app.pool.clone())
-        .schema(schema())
-        .inbox(policy)
-        .build()
-        .unwrap();
+    let purger = purger(&app, |b| b);
     let dry = purger.dry_run().await.expect("dry run");
     assert_eq!(dry.rows(PurgedTable::ConsumerInbox), 1, "{dry}");
     assert_eq!(partitions(&app).await, before, "a dry run dropped nothing");
@@ -493,19 +484,17 @@ async fn partitions_are_created_ahead_and_claims_without_one_land_in_the_default
         .unwrap();
     assert!(matches!(again, Claim::Duplicate(_)), "{again:?}");
     // The purger creates them too, with its plan.
-    let purger = Purger::builder(app.pool.clone())
-        .schema(schema())
-        .inbox(
-            RetentionPolicy::builder()
-                .retry_horizon(DAY)
-                .safety_margin(DAY)
-                .build()
-                .unwrap(),
-        )
-        .partitions(PartitionPlan::new(Duration::from_secs(3600), 6).unwrap())
-        .build()
-        .unwrap();
-    purger.purge().await.expect("purge");
+    let hourly = purger(&app, |b| {
+        b.partitions(PartitionPlan::new(Duration::from_secs(3600), 6).unwrap())
+    });
+    hourly.purge().await.expect("purge");
+    assert_eq!(partitions(&app).await.len(), 8);
+    // Created elsewhere (pg_partman): the purger creates none.
+    let elsewhere = purger(&app, |b| {
+        b.partitions(PartitionPlan::new(Duration::from_secs(3600), 20).unwrap())
+            .partitions_created_elsewhere()
+    });
+    elsewhere.purge().await.expect("purge");
     assert_eq!(partitions(&app).await.len(), 8);
     assert!(PartitionPlan::new(Duration::from_secs(90), 1).is_err());
 }
@@ -565,4 +554,97 @@ async fn the_stats_count_the_partitions_bytes_and_rows() {
     assert_eq!(stats.inbox_table_bytes, bytes);
     let rows: i64 = stats.inbox.iter().map(|c| c.rows).sum();
     assert_eq!(rows, 2, "{:?}", stats.inbox);
+}
+
+/// A purger of the partitioned schema with a one-day window, and `configure`d.
+fn purger(app: &TestApp, configure: impl FnOnce(PurgerBuilder) -> PurgerBuilder) -> Purger {
+    let policy = RetentionPolicy::builder()
+        .retry_horizon(DAY)
+        .safety_margin(DAY)
+        .build()
+        .unwrap();
+    configure(
+        Purger::builder(app.pool.clone())
+            .schema(schema())
+            .inbox(policy),
+    )
+    .build()
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_drop_gives_up_on_the_table_lock_a_claim_in_flight_holds() {
+    let app = partitioned_app().await;
+    PartitionPlan::default()
+        .create_since(
+            &app.pool,
+            &schema(),
+            Some(OffsetDateTime::now_utc() - time::Duration::days(5)),
+        )
+        .await
+        .expect("past partitions");
+    add_row(&app, "app", "old", 4 * DAY).await;
+    let before = partitions(&app).await;
+    // A claim in flight holds the inbox (a row lock on the parent table) until it ends: the
+    // detach waits for it, and gives up past the purge's lock timeout.
+    let inbox = Inbox::new(app.pool.clone()).with_schema(schema());
+    let in_flight = claimed(&inbox, "in-flight", b"x").await;
+    let purger = purger(&app, |b| b.lock_timeout(Duration::from_millis(100)));
+    // The bound only keeps a missing lock_timeout from hanging the suite.
+    let result = tokio::time::timeout(Duration::from_secs(60), purger.purge())
+        .await
+        .expect("the purge gives up instead of waiting");
+    let err = result.unwrap_err();
+    assert_eq!(err.table, PurgedTable::ConsumerInbox);
+    let InboxError::Database(sqlx::Error::Database(db)) = &err.source else {
+        panic!("{:?}", err.source);
+    };
+    assert_eq!(db.code().as_deref(), Some("55P03"), "lock_not_available");
+    assert_eq!(partitions(&app).await, before, "nothing dropped");
+    in_flight.commit(Some(&response())).await.expect("commit");
+    let report = purger.purge().await.expect("purge");
+    assert_eq!(report.rows(PurgedTable::ConsumerInbox), 1, "{report}");
+    assert_eq!(rows_of(&app.pool, "old").await, 0);
+    assert_eq!(rows_of(&app.pool, "in-flight").await, 1);
+}
+
+#[tokio::test]
+async fn the_partitioned_migration_refuses_an_inbox_with_rows() {
+    let app = TestApp::new().await;
+    let plain = Schema::new("part_inbox").unwrap();
+    migrate_schema(&app.owner, &plain).await.expect("plain");
+    sqlx::query(
+        "insert into part_inbox.consumer_inbox
+             (consumer_name, producer_name, message_id, payload_sha256, handler_version)
+         values ('c', 'p', 'm', repeat('a', 64), 'v')",
+    )
+    .execute(&app.owner)
+    .await
+    .unwrap();
+    let err = migrate_schema(&app.owner, &schema())
+        .await
+        .expect_err("refused");
+    assert!(
+        err.to_string()
+            .contains("the partitioned layout is for an empty inbox"),
+        "{err}"
+    );
+    assert_eq!(rows_of(&app.owner, "m").await, 1, "the rows are kept");
+}
+
+#[tokio::test]
+async fn too_many_partitions_at_once_are_refused() {
+    let app = partitioned_app().await;
+    let before = partitions(&app).await;
+    let err = PartitionPlan::new(Duration::from_secs(60), 0)
+        .unwrap()
+        .create_since(
+            &app.pool,
+            &schema(),
+            Some(OffsetDateTime::now_utc() - time::Duration::days(30)),
+        )
+        .await
+        .expect_err("refused");
+    assert!(err.to_string().contains("at most 10000 at once"), "{err}");
+    assert_eq!(partitions(&app).await, before);
 }

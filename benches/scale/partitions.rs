@@ -27,10 +27,24 @@ const SPAN_DAYS: u64 = 30;
 
 pub(super) async fn run(config: &Config, db: &Database) -> Result<(), BoxError> {
     let rows: u64 = env_num("SCALE_PARTITION_ROWS", 10_000_000, 1000)?;
+    let step_hours: u64 = env_num("SCALE_PARTITION_STEP_HOURS", 24, 1)?;
+    let plan = PartitionPlan::new(Duration::from_secs(step_hours * 3600), 2)?;
+    let layouts = match std::env::var("SCALE_PARTITION_LAYOUTS").as_deref() {
+        Ok("plain") => vec![Layout::Plain],
+        Ok("partitioned") => vec![Layout::Partitioned],
+        Ok("plain,partitioned") | Err(_) => vec![Layout::Plain, Layout::Partitioned],
+        Ok(other) => {
+            return Err(format!(
+                "SCALE_PARTITION_LAYOUTS={other:?}: plain, partitioned or plain,partitioned"
+            )
+            .into())
+        }
+    };
     let workers = config.purge_concurrency as usize;
     println!(
         "\n## partitions: the inbox purge at {rows} rows (received over the {SPAN_DAYS} days \
-         ending a day ago, window 28 days), first-seen latency at {workers} in flight"
+         ending a day ago, window 28 days, partitions of {step_hours} h), first-seen latency \
+         at {workers} in flight"
     );
     println!(
         "{:>12}  {:>7}  {:>10}  {:>8}  {:>9}  {:>9}  {:>9}  {:>9}  {:>8}  {:>8}  {:>10}  {:>10}",
@@ -47,7 +61,7 @@ pub(super) async fn run(config: &Config, db: &Database) -> Result<(), BoxError> 
         "p99 × base",
         "after MB"
     );
-    for layout in [Layout::Plain, Layout::Partitioned] {
+    for layout in layouts {
         let name = match layout {
             Layout::Plain => "scale_part_plain",
             Layout::Partitioned => "scale_part_partitioned",
@@ -58,7 +72,7 @@ pub(super) async fn run(config: &Config, db: &Database) -> Result<(), BoxError> 
                 support::pool_options(config.purge_concurrency + 2),
             )
             .await?;
-        let line = measure(config, &ws, rows, workers).await;
+        let line = measure(config, &ws, rows, workers, plan).await;
         // Gives the space back before the other layout loads its rows.
         let drop = format!("drop schema \"{name}\" cascade");
         ws.pool.close().await;
@@ -75,12 +89,11 @@ async fn measure(
     ws: &Workspace,
     rows: u64,
     workers: usize,
+    plan: PartitionPlan,
 ) -> Result<String, BoxError> {
     if ws.schema.layout() == Layout::Partitioned {
         let since = OffsetDateTime::now_utc() - time::Duration::days(SPAN_DAYS as i64 + 2);
-        PartitionPlan::default()
-            .create_since(&ws.pool, &ws.schema, Some(since))
-            .await?;
+        plan.create_since(&ws.pool, &ws.schema, Some(since)).await?;
     }
     let load = fill(ws, rows).await?;
     let (table, index) = sizes(ws).await?;
@@ -93,6 +106,7 @@ async fn measure(
         .inbox(policy)
         .batch_size(config.purge_batch)
         .pause_between_batches(config.purge_pause)
+        .partitions(plan)
         .build()?;
     let router = ws.layered_router()?;
     let probe = Probe {
@@ -150,9 +164,11 @@ async fn fill(ws: &Workspace, rows: u64) -> Result<Duration, BoxError> {
 /// has none).
 async fn sizes(ws: &Workspace) -> Result<(i64, i64), sqlx::Error> {
     sqlx::query_as(
-        "select coalesce(sum(pg_table_size(relid)), 0)::int8,
-                coalesce(sum(pg_indexes_size(relid)), 0)::int8
-         from pg_partition_tree($1::regclass) where isleaf",
+        "select coalesce(sum(pg_table_size(t.relid)), 0)::int8,
+                coalesce(sum(pg_indexes_size(t.relid)), 0)::int8
+         from (select relid from pg_partition_tree($1::regclass) where isleaf
+               union select $1::regclass where not exists (
+                   select from pg_inherits where inhparent = $1::regclass)) t",
     )
     .bind(ws.table("consumer_inbox"))
     .fetch_one(&ws.pool)

@@ -117,7 +117,8 @@ pub struct Purger {
     batch_size: i64,
     lock_timeout: String,
     pause: Duration,
-    partitions: PartitionPlan,
+    /// The partitions created ahead; `None` when something else creates them.
+    partitions: Option<PartitionPlan>,
 }
 
 /// Configures a [`Purger`].
@@ -132,7 +133,7 @@ pub struct PurgerBuilder {
     batch_size: u32,
     lock_timeout: Duration,
     pause: Duration,
-    partitions: PartitionPlan,
+    partitions: Option<PartitionPlan>,
 }
 
 /// The largest batch accepted: batches must stay short.
@@ -157,7 +158,7 @@ impl Purger {
             batch_size: 200,
             lock_timeout: Duration::from_secs(1),
             pause: DEFAULT_PAUSE,
-            partitions: PartitionPlan::default(),
+            partitions: Some(PartitionPlan::default()),
         }
     }
 }
@@ -227,10 +228,16 @@ impl PurgerBuilder {
 
     /// With the [partitioned layout](crate::partition): the partitions each purge of the
     /// inbox creates ahead before it drops the expired ones (default: one a day, two days
-    /// ahead). Leave the creation to pg_partman by giving it its own plan for the same
-    /// table; each side skips a range that a partition already covers.
+    /// ahead). The purge skips a range that an existing partition overlaps.
     pub fn partitions(mut self, plan: PartitionPlan) -> Self {
-        self.partitions = plan;
+        self.partitions = Some(plan);
+        self
+    }
+
+    /// With the partitioned layout: create no partitions, something else does (pg_partman's
+    /// maintenance, see `docs/scaling.md`); the purge still drops the expired ones.
+    pub fn partitions_created_elsewhere(mut self) -> Self {
+        self.partitions = None;
         self
     }
 

@@ -11,7 +11,8 @@ use crate::inbox::InboxError;
 use crate::partition::sql;
 
 impl Purger {
-    /// Creates the partitions ahead (not in a dry run), then drops every inbox partition
+    /// Creates the partitions ahead (not in a dry run, nor when they are created elsewhere),
+    /// then drops every inbox partition
     /// whose whole range ends at or before `cutoff`, or in a dry run counts the rows each
     /// drop would take. Each dropped partition counts as one batch. `Break` when `observe`
     /// stopped it.
@@ -22,12 +23,12 @@ impl Purger {
         purged: &mut TablePurge,
         observe: &mut (dyn FnMut(&TablePurge) -> ControlFlow<()> + Send),
     ) -> Result<ControlFlow<()>, InboxError> {
-        if !dry_run {
+        if let (false, Some(plan)) = (dry_run, self.partitions) {
             let mut tx = self.begin().await?;
             let created: i32 = sqlx::query_scalar(&self.schema.sql(sql::CREATE_PARTITIONS))
-                .bind(self.partitions.step().as_secs_f64())
+                .bind(plan.step().as_secs_f64())
                 .bind(OffsetDateTime::now_utc())
-                .bind(i32::try_from(self.partitions.ahead()).unwrap_or(i32::MAX))
+                .bind(i32::try_from(plan.ahead()).unwrap_or(i32::MAX))
                 .fetch_one(&mut *tx)
                 .await
                 .map_err(InboxError::classify)?;
