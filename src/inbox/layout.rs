@@ -1,6 +1,6 @@
 //! The checks that keep claims to what the schema's [layout](crate::partition) allows.
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgConnection;
 
 use super::{sql, ClaimLock, Inbox, InboxError, IsolationLevel};
 use crate::connection::within;
@@ -70,12 +70,14 @@ pub(crate) fn check_isolation(schema: &Schema, level: IsolationLevel) -> Result<
     }
 }
 
-/// Checks that the database's inbox table in `schema` has the schema's layout: a plain
-/// claim on a partitioned table would not see a duplicate in another partition.
-pub(crate) async fn check_layout(pool: &PgPool, schema: &Schema) -> Result<(), InboxError> {
+/// Checks that the database's inbox table in the inbox's schema has the schema's layout: a
+/// plain claim on a partitioned table would not see a duplicate in another partition. Within
+/// the inbox's statement deadline, like its other statements.
+pub(crate) async fn check_layout(inbox: &Inbox) -> Result<(), InboxError> {
+    let schema = &inbox.schema;
     let relkind: Option<String> = sqlx::query_scalar(sql::RELKIND)
         .bind(schema.name())
-        .fetch_optional(pool)
+        .fetch_optional(inbox.guarded())
         .await
         .map_err(InboxError::classify)?;
     let found = match relkind.as_deref() {

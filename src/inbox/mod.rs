@@ -248,7 +248,7 @@ impl Inbox {
     pub(crate) async fn check_layout(&self, consumer: &str) -> Result<(), InboxError> {
         check_isolation(&self.schema, self.isolation)?;
         self.layout_checked
-            .get_or_try_init(|| layout::check_layout(&self.pool, &self.schema))
+            .get_or_try_init(|| layout::check_layout(self))
             .await
             .inspect_err(|err| err.count(&self.labels.of_consumer(consumer)))?;
         Ok(())
