@@ -2,9 +2,10 @@
 //! command at once, and in the pooled connections it holds. Every figure is a ratio to a
 //! baseline measured in the same run; nothing is timed in an assertion, but every response
 //! is checked, and the one-key scenario asserts the protocol's outcome.
+//! (Over 400 lines: the scenarios share the load, the figures and the database helpers.)
 //!
 //! ```sh
-//! cargo bench --bench scale                          # every scenario at full size (1M rows)
+//! cargo bench --bench scale                          # every scenario but `partitions` (1M rows)
 //! cargo bench --bench scale -- size hold             # some scenarios
 //! SCALE_ROWS=100000 SCALE_ROUNDS=3 cargo bench --bench scale   # a quicker look
 //! ```

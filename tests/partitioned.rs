@@ -1,6 +1,7 @@
 //! The partitioned layout (`Layout::Partitioned`): the protocol on a partitioned inbox, the
 //! race its claim must win, the purge dropping whole partitions, the partitions created
 //! ahead, the layout and isolation checks, and the service role's grants.
+//! (Over 400 lines: one test per rule of the layout and per error path, over shared helpers.)
 
 mod common;
 

@@ -1,5 +1,7 @@
 //! The statements the protocol core sends, next to the tables they rely on
 //! (`migrations/20261204000001_inbox.sql`, `…02_outbox_quarantine.sql`).
+//! (Over 400 lines: every statement of the protocol, and the partitioned layout's variants
+//! next to the plain ones they replace.)
 //!
 //! Every value is a bound parameter, so no value is ever part of the statement's text: the
 //! server's log shows the text of a failing statement, never what a client sent, and no

@@ -2,7 +2,7 @@
 //! partition instead of deleting its rows in batches.
 //!
 //! Opt in with [`Layout::Partitioned`] on the [`Schema`] given to
-//! [`migrate_schema`](crate::schema::migrate_schema), the layer (or [`Inbox`], or the
+//! [`migrate_schema`](crate::schema::migrate_schema), the layer (or [`Inbox`](crate::inbox::Inbox), or the
 //! consumer) and the [`Purger`](crate::retention::Purger). `consumer_inbox` is then
 //! partitioned by range of `received_at` (`migrations/partitioned/`), with a default
 //! partition as a safety net; the outbox, the failure records and the quarantine stay as
