@@ -377,6 +377,18 @@ async fn add_row(app: &TestApp, producer: &str, key: &str, age: Duration) {
     .expect("row");
 }
 
+/// Creates the default plan's partitions from `days` days ago on.
+async fn partitions_since(app: &TestApp, days: i64) {
+    PartitionPlan::default()
+        .create_since(
+            &app.pool,
+            &schema(),
+            Some(OffsetDateTime::now_utc() - time::Duration::days(days)),
+        )
+        .await
+        .expect("past partitions");
+}
+
 async fn partitions(app: &TestApp) -> Vec<String> {
     sqlx::query_scalar(
         "select c.relname::text from pg_inherits h join pg_class c on c.oid = h.inhrelid
@@ -390,14 +402,7 @@ async fn partitions(app: &TestApp) -> Vec<String> {
 #[tokio::test]
 async fn the_purge_drops_old_partitions_and_keeps_what_must_be_kept() {
     let app = partitioned_app().await;
-    PartitionPlan::default()
-        .create_since(
-            &app.pool,
-            &schema(),
-            Some(OffsetDateTime::now_utc() - time::Duration::days(20)),
-        )
-        .await
-        .expect("past partitions");
+    partitions_since(&app, 20).await;
     let before = partitions(&app).await;
     assert!(before.len() >= 23, "{before:?}");
     add_row(&app, "app", "old", 10 * DAY).await;
@@ -576,14 +581,7 @@ fn purger(app: &TestApp, configure: impl FnOnce(PurgerBuilder) -> PurgerBuilder)
 #[tokio::test]
 async fn a_drop_gives_up_on_the_table_lock_a_claim_in_flight_holds() {
     let app = partitioned_app().await;
-    PartitionPlan::default()
-        .create_since(
-            &app.pool,
-            &schema(),
-            Some(OffsetDateTime::now_utc() - time::Duration::days(5)),
-        )
-        .await
-        .expect("past partitions");
+    partitions_since(&app, 5).await;
     add_row(&app, "app", "old", 4 * DAY).await;
     let before = partitions(&app).await;
     // A claim in flight holds the inbox (a row lock on the parent table) until it ends: the
@@ -648,4 +646,53 @@ async fn too_many_partitions_at_once_are_refused() {
         .expect_err("refused");
     assert!(err.to_string().contains("at most 10000 at once"), "{err}");
     assert_eq!(partitions(&app).await, before);
+}
+
+/// Expected inputs on the partitioned layout (first seen, duplicates, a conflict, a storm of
+/// one key, the purge's creations and drops) leave no error or warning in the server log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn expected_inputs_leave_the_server_log_quiet() {
+    let cluster = common::logging_cluster().await;
+    let app = TestApp::on(cluster.database().await.expect("database"), 10).await;
+    migrate_schema(&app.owner, &schema())
+        .await
+        .expect("migrate");
+    grant(&app, app.role.name(), Access::ServiceAndPurge).await;
+    partitions_since(&app, 5).await;
+    add_row(&app, "app", "old", 4 * DAY).await;
+    add_row(&app, "migration:m", "kept", 4 * DAY).await;
+    let router = app.credits_with(|b| b.schema(schema()));
+    let mark = cluster.log_mark().expect("log mark");
+
+    let first = send(&router, credit("a1", Some("k"), Some("app"), 10)).await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    let again = send(&router, credit("a1", Some("k"), Some("app"), 10)).await;
+    assert!(again.replayed(), "{again:?}");
+    let conflict = send(&router, credit("a1", Some("k"), Some("app"), 11)).await;
+    assert_eq!(conflict.problem_type(), "payload-mismatch");
+    let storm = (0..40).map(|_| send(&router, credit("a2", Some("storm"), Some("app"), 3)));
+    let replies = futures_util::future::join_all(storm).await;
+    let created = replies
+        .iter()
+        .filter(|r| r.status == StatusCode::CREATED && !r.replayed())
+        .count();
+    assert_eq!(created, 1, "one of the storm's copies is applied");
+    let report = purger(&app, |b| b).purge().await.expect("purge");
+    assert_eq!(report.rows(PurgedTable::ConsumerInbox), 1, "{report}");
+    assert_eq!(app.balance("a2").await, Some(3));
+
+    let log = cluster.log_since(mark).expect("server log");
+    let problems: Vec<&str> = log
+        .lines()
+        .filter(|line| {
+            ["ERROR:", "WARNING:", "FATAL:", "PANIC:"]
+                .iter()
+                .any(|s| line.contains(s))
+        })
+        .collect();
+    assert!(
+        problems.is_empty(),
+        "{}\n--- log:\n{log}",
+        problems.join("\n")
+    );
 }
