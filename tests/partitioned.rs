@@ -696,3 +696,47 @@ async fn expected_inputs_leave_the_server_log_quiet() {
         problems.join("\n")
     );
 }
+
+/// The guard works on the partitioned layout: once the purge dropped a message's partition, a
+/// redrive of it produced before the window is refused and quarantined, not applied again;
+/// one inside the window is a duplicate.
+#[tokio::test]
+async fn the_guard_refuses_a_message_whose_partition_was_dropped() {
+    use tower_inbox::retention::{GuardedClaim, RetentionGuard};
+    let app = partitioned_app().await;
+    partitions_since(&app, 5).await;
+    add_row(&app, "app", "forgotten", 4 * DAY).await;
+    let inbox = Inbox::new(app.pool.clone()).with_schema(schema());
+    claimed(&inbox, "remembered", b"x")
+        .await
+        .commit(Some(&response()))
+        .await
+        .expect("commit");
+    let report = purger(&app, |b| b).purge().await.expect("purge");
+    assert_eq!(report.rows(PurgedTable::ConsumerInbox), 1, "{report}");
+    let policy = RetentionPolicy::builder()
+        .retry_horizon(DAY)
+        .safety_margin(DAY)
+        .build()
+        .unwrap();
+    let guard = RetentionGuard::new(inbox.clone(), &policy);
+    let claim = |key: &'static str, age: Duration| {
+        guard.claim(
+            identity(key),
+            Fingerprint::of_bytes(b"x"),
+            "v1",
+            Duration::ZERO,
+            OffsetDateTime::now_utc() - age,
+        )
+    };
+    let refused = claim("forgotten", 4 * DAY).await.expect("guard");
+    assert!(matches!(refused, GuardedClaim::Expired(_)), "{refused:?}");
+    assert_eq!(rows_of(&app.pool, "forgotten").await, 0, "not claimed");
+    let duplicate = claim("remembered", Duration::from_secs(60))
+        .await
+        .expect("guard");
+    assert!(
+        matches!(duplicate, GuardedClaim::Claim(Claim::Duplicate(_))),
+        "{duplicate:?}"
+    );
+}
