@@ -2,23 +2,24 @@
 //! partition instead of deleting its rows in batches.
 //!
 //! Opt in with [`Layout::Partitioned`] on the [`Schema`] given to
-//! [`migrate_schema`](crate::schema::migrate_schema), the layer (or [`Inbox`](crate::inbox::Inbox), or the
-//! consumer) and the [`Purger`](crate::retention::Purger). `consumer_inbox` is then
-//! partitioned by range of `received_at` (`migrations/partitioned/`), with a default
-//! partition as a safety net; the outbox, the failure records and the quarantine stay as
-//! they are.
+//! [`migrate_schema`](crate::schema::migrate_schema), the layer (or
+//! [`Inbox`](crate::inbox::Inbox), or the consumer) and the
+//! [`Purger`](crate::retention::Purger). `consumer_inbox` is then partitioned by range of
+//! `received_at` (`migrations/partitioned/`), with a default partition as a safety net; the
+//! outbox, the failure records and the quarantine stay as they are.
 //!
 //! **What keeps one row per identity.** A unique key of a partitioned table must include the
 //! partition column, so the primary key (now with `received_at`) no longer catches a
 //! duplicate claimed at another time. Every claim already holds its key's advisory lock
-//! until its transaction ends; with this layout, once it has the lock, it asks a `VOLATILE`
-//! SQL function whether a committed row holds the key, in any partition. That function's
-//! statement takes its own snapshot, after the lock was granted, so it sees the row of any
-//! claim that held the lock before. This holds under `READ COMMITTED` only: under
-//! `REPEATABLE READ` or `SERIALIZABLE` the function would read the transaction's snapshot,
-//! taken before the lock, and a duplicate committed in between would go unseen. So the
-//! layer, the consumer and the inbox **refuse those isolation levels** with this layout
-//! ([`LayoutError::Isolation`]).
+//! until its transaction ends; with this layout the claim takes it in a statement of its
+//! own, then inserts only if no committed row of the key exists in any partition. That
+//! statement's snapshot is taken after the lock was granted, so it sees the row of any claim
+//! that held the lock before (a claim releases it only after its commit is visible). This
+//! holds under `READ COMMITTED` only: under `REPEATABLE READ` or `SERIALIZABLE` every
+//! statement reads the transaction's first snapshot, taken before the lock, and a duplicate
+//! committed in between would go unseen. So the layer, the consumer and the inbox **refuse
+//! those isolation levels** with this layout ([`LayoutError::Isolation`]), and the first
+//! claim refuses a database whose table has the other layout ([`LayoutError::Mismatch`]).
 //!
 //! **Lookups** by identity (the duplicate's read, the claim's check, the failure record's
 //! guard, the operator's reads) probe each partition's primary key: their cost grows with
@@ -29,8 +30,10 @@
 //! **Partitions** are created ahead by the purger ([`PartitionPlan`], one day, two ahead by
 //! default) or with [`PartitionPlan::create`]; a claim made while none covers its time lands
 //! in the default partition, which the next creation empties into the new partition. With
-//! pg_partman instead, give it `consumer_inbox` (`p_control => 'received_at'`) and let the
-//! purger drop (it keeps what must be kept); see `docs/scaling.md`.
+//! pg_partman instead, let it create the partitions of `consumer_inbox` (`received_at`) and
+//! build the purger with
+//! [`partitions_created_elsewhere`](crate::retention::PurgerBuilder::partitions_created_elsewhere):
+//! the purger's drops keep what must be kept; see `docs/scaling.md`.
 
 pub(crate) mod sql;
 

@@ -12,10 +12,9 @@ use crate::partition::sql;
 
 impl Purger {
     /// Creates the partitions ahead (not in a dry run, nor when they are created elsewhere),
-    /// then drops every inbox partition
-    /// whose whole range ends at or before `cutoff`, or in a dry run counts the rows each
-    /// drop would take. Each dropped partition counts as one batch. `Break` when `observe`
-    /// stopped it.
+    /// then drops every inbox partition whose whole range ends at or before `cutoff`, or in a
+    /// dry run counts the rows each drop would take. Each dropped partition counts as one
+    /// batch. `Break` when `observe` stopped it.
     pub(super) async fn drop_partitions(
         &self,
         cutoff: OffsetDateTime,
