@@ -2,9 +2,10 @@
 //! command at once, and in the pooled connections it holds. Every figure is a ratio to a
 //! baseline measured in the same run; nothing is timed in an assertion, but every response
 //! is checked, and the one-key scenario asserts the protocol's outcome.
+//! (Over 400 lines: the scenarios share the load, the figures and the database helpers.)
 //!
 //! ```sh
-//! cargo bench --bench scale                          # every scenario at full size (1M rows)
+//! cargo bench --bench scale                          # every scenario but `partitions` (1M rows)
 //! cargo bench --bench scale -- size hold             # some scenarios
 //! SCALE_ROWS=100000 SCALE_ROUNDS=3 cargo bench --bench scale   # a quicker look
 //! ```
@@ -39,6 +40,9 @@
 //!   of that count over time divided by the requests is the mean hold per request
 //!   (acquire to release, the release ping not included). This is what pool sizing needs
 //!   (Little's law: connections busy = requests per second × hold per request).
+//! - `partitions` (by name only; `benches/scale/partitions.rs`): the inbox purge at
+//!   `SCALE_PARTITION_ROWS` rows, dropping partitions (`Layout::Partitioned`) against the
+//!   batched delete, with first-seen latency during each purge and the table and index sizes.
 //!
 //! # Settings
 //!
@@ -53,6 +57,9 @@
 //! | `SCALE_PURGE_BASE_SECS` | 10 | seconds of load without the purge, before and after it |
 //! | `SCALE_PURGE_BATCH` | 200 | the purger's batch size (its default) |
 //! | `SCALE_PURGE_PAUSE_MS` | 50 | the purger's pause between batches (its default) |
+//! | `SCALE_PARTITION_ROWS` | 10000000 | inbox rows of `partitions` (each layout) |
+//! | `SCALE_PARTITION_STEP_HOURS` | 24 | the partitioned layout's partition step in `partitions` |
+//! | `SCALE_PARTITION_LAYOUTS` | `plain,partitioned` | the layouts `partitions` measures |
 //! | `SCALE_ONE_KEY` | 64 | concurrent requests of `one-key` |
 //! | `SCALE_ONE_KEY_TRIALS` | 20 | trials of `one-key` |
 //! | `SCALE_HOLD_REQUESTS` | 2000 | requests per case, mode and round (`hold`) |
@@ -98,7 +105,7 @@ use tokio::task::JoinSet;
 use tower_inbox::fingerprint::Fingerprint;
 use tower_inbox::inbox::{Claim, Inbox};
 use tower_inbox::middleware::ConfigError;
-use tower_inbox::retention::{PurgedTable, Purger, RetentionPolicy};
+use tower_inbox::retention::{PurgeReport, PurgedTable, Purger, RetentionPolicy};
 use tower_inbox::schema::Schema;
 use tower_inbox::{MessageIdentity, MessageKey, Producer};
 
@@ -185,10 +192,20 @@ enum Scenario {
     Purge,
     OneKey,
     Hold,
+    Partitions,
 }
 
 impl Scenario {
-    const ALL: [Self; 4] = [Self::Size, Self::Purge, Self::OneKey, Self::Hold];
+    const ALL: [Self; 5] = [
+        Self::Size,
+        Self::Purge,
+        Self::OneKey,
+        Self::Hold,
+        Self::Partitions,
+    ];
+    /// What a run without names runs: `partitions` loads 20 million rows, so it is run by
+    /// name only.
+    const DEFAULT: [Self; 4] = [Self::Size, Self::Purge, Self::OneKey, Self::Hold];
 
     fn name(self) -> &'static str {
         match self {
@@ -196,6 +213,7 @@ impl Scenario {
             Self::Purge => "purge",
             Self::OneKey => "one-key",
             Self::Hold => "hold",
+            Self::Partitions => "partitions",
         }
     }
 
@@ -217,7 +235,7 @@ impl Scenario {
             }
         }
         if names.is_empty() {
-            return Ok(Self::ALL.to_vec());
+            return Ok(Self::DEFAULT.to_vec());
         }
         let mut chosen = BTreeSet::new();
         for name in &names {
@@ -422,7 +440,16 @@ impl Database {
     /// older layout would make the migrations fail), so every run starts from the empty
     /// tables and the opened accounts.
     async fn workspace(&self, name: &str, options: PgPoolOptions) -> Result<Workspace, BoxError> {
-        let schema = Schema::new(name)?;
+        self.workspace_of(Schema::new(name)?, options).await
+    }
+
+    /// [`workspace`](Self::workspace) for `schema`, of its layout.
+    async fn workspace_of(
+        &self,
+        schema: Schema,
+        options: PgPoolOptions,
+    ) -> Result<Workspace, BoxError> {
+        let name = schema.name().to_owned();
         let mut admin = PgConnection::connect_with(&self.options).await?;
         sqlx::raw_sql(&format!("drop schema if exists \"{name}\" cascade"))
             .execute(&mut admin)
@@ -466,6 +493,24 @@ impl Workspace {
 /// (random-looking keys, a JSON body of about 50 bytes), received `age` ago or a little
 /// earlier (one row per millisecond, oldest first), then vacuums and analyzes it.
 async fn fill_inbox(ws: &Workspace, rows: u64, age: Duration) -> Result<Duration, BoxError> {
+    fill_rows(
+        ws,
+        rows,
+        "now() - make_interval(secs => $4 + ($3 - g) / 1000.0)",
+        age.as_secs_f64(),
+    )
+    .await
+}
+
+/// Adds `rows` processed rows as [`fill_inbox`] does, the `g`th of `$3` received at
+/// `received` (an expression of `g`, `$3` and `$4`, bound to `param`); then vacuums and
+/// analyzes the inbox. How long it took.
+async fn fill_rows(
+    ws: &Workspace,
+    rows: u64,
+    received: &str,
+    param: f64,
+) -> Result<Duration, BoxError> {
     let inbox = ws.table("consumer_inbox");
     let started = Instant::now();
     if rows > 0 {
@@ -478,13 +523,12 @@ async fn fill_inbox(ws: &Workspace, rows: u64, age: Duration) -> Result<Duration
                     t, t, 201, array['content-type'], array[convert_to('application/json', 'UTF8')],
                     convert_to(format('{{\"account_id\":\"acct-%s\",\"balance\":%s,\"delta\":1}}',
                                       g % 10000, g), 'UTF8')
-             from generate_series(1, $3) g,
-                  lateral (select now() - make_interval(secs => $4 + ($3 - g) / 1000.0)) r(t)"
+             from generate_series(1, $3) g, lateral (select {received}) r(t)"
         ))
         .bind(app::CONSUMER)
         .bind(PRODUCER)
         .bind(i64::try_from(rows)?)
-        .bind(age.as_secs_f64())
+        .bind(param)
         .execute(&ws.pool)
         .await?;
     }
@@ -706,12 +750,7 @@ async fn purge(config: &Config, db: &Database) -> Result<(), BoxError> {
         .batch_size(config.purge_batch)
         .pause_between_batches(config.purge_pause)
         .build()?;
-    let mut next = 0;
-    let mut load = |count: u64| {
-        let feed = Feed::new(next, count);
-        next += count;
-        feed
-    };
+    let mut load = Feeds::default();
 
     println!(
         "\n## purge: first-seen latency at {workers} in flight while {} expired rows are purged (batches of {}, {} ms apart)",
@@ -735,35 +774,15 @@ async fn purge(config: &Config, db: &Database) -> Result<(), BoxError> {
     for round in 1..=config.purge_rounds {
         support::reset_tables(&ws.pool, &ws.schema).await?;
         fill_inbox(&ws, config.purge_rows, 30 * DAY).await?;
-        // Unmeasured warm-up, then the load alone, the load during the purge, the load alone.
-        closed_loop(&router, probe, workers, &load(200)).await?;
-        let timed = |feed: Arc<Feed>, secs: Duration| {
-            let router = router.clone();
-            async move {
-                let stopper = feed.clone();
-                let timer = tokio::spawn(async move {
-                    tokio::time::sleep(secs).await;
-                    stopper.stop();
-                });
-                let latencies = closed_loop(&router, probe, workers, &feed).await;
-                timer.abort();
-                latencies
-            }
-        };
-        let mut base = timed(load(u64::MAX / 4), config.purge_base).await?;
-        let feed = load(u64::MAX / 4);
-        let stopper = feed.clone();
-        let purging = purger.clone();
-        let started = Instant::now();
-        let purge = tokio::spawn(async move {
-            let report = purging.purge().await;
-            let took = started.elapsed();
-            stopper.stop();
-            report.map(|r| (r, took))
-        });
-        let during = closed_loop(&router, probe, workers, &feed).await?;
-        let (report, took) = purge.await??;
-        base.extend(timed(load(u64::MAX / 4), config.purge_base).await?);
+        let (base, during, report, took) = load_around_purge(
+            &router,
+            probe,
+            workers,
+            &purger,
+            config.purge_base,
+            &mut load,
+        )
+        .await?;
 
         let deleted = report.rows(PurgedTable::ConsumerInbox);
         if deleted != config.purge_rows {
@@ -800,6 +819,68 @@ async fn purge(config: &Config, db: &Database) -> Result<(), BoxError> {
     ws.pool.close().await;
     Ok(())
 }
+
+/// The keys of a scenario's successive loads: each feed starts where the last one ended.
+#[derive(Default)]
+struct Feeds {
+    next: u64,
+}
+
+impl Feeds {
+    fn next(&mut self, count: u64) -> Arc<Feed> {
+        let feed = Feed::new(self.next, count);
+        self.next += count;
+        feed
+    }
+}
+
+/// An unmeasured warm-up, then the load alone for `base`, the load while `purger` purges,
+/// and the load alone for `base` again: the latencies without the purge and during it, the
+/// purge's report and how long it took.
+async fn load_around_purge(
+    router: &Router,
+    probe: Probe,
+    workers: usize,
+    purger: &Purger,
+    base: Duration,
+    feeds: &mut Feeds,
+) -> Result<(Vec<Duration>, Vec<Duration>, PurgeReport, Duration), BoxError> {
+    closed_loop(router, probe, workers, &feeds.next(200)).await?;
+    let timed = |feed: Arc<Feed>| {
+        let router = router.clone();
+        async move {
+            let stopper = feed.clone();
+            let timer = tokio::spawn(async move {
+                tokio::time::sleep(base).await;
+                stopper.stop();
+            });
+            let latencies = closed_loop(&router, probe, workers, &feed).await;
+            timer.abort();
+            latencies
+        }
+    };
+    let mut without = timed(feeds.next(u64::MAX / 4)).await?;
+    let feed = feeds.next(u64::MAX / 4);
+    let stopper = feed.clone();
+    let purging = purger.clone();
+    let started = Instant::now();
+    let purge = tokio::spawn(async move {
+        let report = purging.purge().await;
+        let took = started.elapsed();
+        stopper.stop();
+        report.map(|r| (r, took))
+    });
+    let during = closed_loop(router, probe, workers, &feed).await?;
+    let (report, took) = purge.await??;
+    without.extend(timed(feeds.next(u64::MAX / 4)).await?);
+    Ok((without, during, report, took))
+}
+
+// ---------------------------------------------------------------------------------------
+// partitions
+
+#[path = "scale/partitions.rs"]
+mod partitions;
 
 // ---------------------------------------------------------------------------------------
 // one-key
@@ -1199,6 +1280,7 @@ async fn run(config: Config) -> Result<(), BoxError> {
             Scenario::Purge => purge(&config, &db).await,
             Scenario::OneKey => one_key(&config, &db).await,
             Scenario::Hold => hold(&config, &db).await,
+            Scenario::Partitions => partitions::run(&config, &db).await,
         }
         .map_err(|e| format!("{}: {e}", scenario.name()))?;
     }

@@ -121,6 +121,7 @@ mod key;
 pub mod metrics;
 pub mod middleware;
 pub mod outbox;
+pub mod partition;
 pub mod problem;
 pub mod producer;
 pub mod quarantine;

@@ -35,6 +35,24 @@ const TEMPLATE_PREFIX: &str = "tower_inbox.";
 /// and give that run `options=-csearch_path=tower_inbox` after creating the schema.
 pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
+/// The migrations of the [partitioned layout](Layout::Partitioned): [`MIGRATOR`]'s, then
+/// `migrations/partitioned/`'s. [`migrate_schema`] runs these for a schema of that layout.
+/// Each migrator refuses a schema the other migrated (a migration it does not know was
+/// applied there), so a layout cannot be changed by running the other one.
+pub static PARTITIONED_MIGRATOR: std::sync::LazyLock<sqlx::migrate::Migrator> =
+    std::sync::LazyLock::new(|| {
+        static EXTRA: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/partitioned");
+        let mut migrations = MIGRATOR.migrations.to_vec();
+        migrations.extend(EXTRA.migrations.iter().cloned());
+        // The fields `migrate!` fills; the settings are the embedded set's.
+        sqlx::migrate::Migrator {
+            migrations: migrations.into(),
+            ignore_missing: MIGRATOR.ignore_missing,
+            locking: MIGRATOR.locking,
+            no_tx: MIGRATOR.no_tx,
+        }
+    });
+
 /// A schema the crate's tables live in: 1 to 63 bytes of lowercase ASCII letters, digits
 /// and `_`, starting with a letter or `_`, and not starting with `pg_` (PostgreSQL reserves
 /// those).
@@ -49,10 +67,17 @@ pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 /// ```
 #[derive(Clone)]
 pub struct Schema {
-    name: Arc<str>,
+    /// The name and the statements made for it, shared by every clone (one pointer keeps
+    /// the schema, and everything that holds one, small).
+    named: Arc<Named>,
+    layout: Layout,
     pooling: Pooling,
-    /// The crate's statements with this schema's name, made once per statement.
-    statements: Arc<RwLock<Statements>>,
+}
+
+/// A schema's name, and the crate's statements with that name, made once per statement.
+struct Named {
+    name: Box<str>,
+    statements: RwLock<Statements>,
 }
 
 /// Statement texts by their template's address and length.
@@ -80,15 +105,38 @@ impl Schema {
             return Err(SchemaError(name.to_owned()));
         }
         Ok(Self {
-            name: name.into(),
+            named: Arc::new(Named {
+                name: name.into(),
+                statements: RwLock::default(),
+            }),
+            layout: Layout::Plain,
             pooling: Pooling::default(),
-            statements: Arc::default(),
         })
+    }
+
+    /// The same schema with its tables in `layout` (the default is [`Layout::Plain`]).
+    /// Give every component the same value: [`migrate_schema`] creates that layout, and the
+    /// layer, the inbox and the purger send its statements.
+    ///
+    /// ```
+    /// use tower_inbox::schema::{Layout, Schema};
+    ///
+    /// let schema = Schema::default().with_layout(Layout::Partitioned);
+    /// assert_eq!(schema.layout(), Layout::Partitioned);
+    /// assert_eq!(schema.name(), "tower_inbox");
+    /// ```
+    pub fn with_layout(self, layout: Layout) -> Self {
+        Self { layout, ..self }
+    }
+
+    /// How the schema's tables are laid out.
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// The schema's name.
     pub fn name(&self) -> &str {
-        &self.name
+        &self.named.name
     }
 
     /// This schema, reached through `pooling`: give the result to every component (the layer,
@@ -113,7 +161,7 @@ impl Schema {
     }
 
     fn is_default(&self) -> bool {
-        &*self.name == DEFAULT_SCHEMA
+        &*self.named.name == DEFAULT_SCHEMA
     }
 
     /// `template`, a statement of the crate that names its tables `tower_inbox.<table>`, with
@@ -125,6 +173,7 @@ impl Schema {
         }
         let key = (template.as_ptr() as usize, template.len());
         if let Some(sql) = self
+            .named
             .statements
             .read()
             .unwrap_or_else(PoisonError::into_inner)
@@ -133,13 +182,44 @@ impl Schema {
             return Sql::Shared(sql.clone());
         }
         let sql: Arc<str> = template
-            .replace(TEMPLATE_PREFIX, &format!("\"{}\".", self.name))
+            .replace(TEMPLATE_PREFIX, &format!("\"{}\".", self.named.name))
             .into();
-        self.statements
+        self.named
+            .statements
             .write()
             .unwrap_or_else(PoisonError::into_inner)
             .insert(key, sql.clone());
         Sql::Shared(sql)
+    }
+
+    /// [`sql`](Self::sql) of the statement this schema's layout sends: `plain` or
+    /// `partitioned` (the statements the [partitioned layout](crate::partition) sends
+    /// differently).
+    pub(crate) fn sql_for(&self, plain: &'static str, partitioned: &'static str) -> Sql {
+        self.sql(match self.layout {
+            Layout::Plain => plain,
+            Layout::Partitioned => partitioned,
+        })
+    }
+}
+
+/// How a schema's tables are laid out; see [`crate::partition`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Layout {
+    /// One table each (the default).
+    #[default]
+    Plain,
+    /// `consumer_inbox` partitioned by range of `received_at`; `READ COMMITTED` claims only.
+    Partitioned,
+}
+
+impl Layout {
+    /// `plain` or `partitioned`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Plain => "plain",
+            Self::Partitioned => "partitioned",
+        }
     }
 }
 
@@ -151,7 +231,9 @@ impl Default for Schema {
 
 impl PartialEq for Schema {
     fn eq(&self, other: &Self) -> bool {
-        self.name == other.name && self.pooling == other.pooling
+        self.named.name == other.named.name
+            && self.layout == other.layout
+            && self.pooling == other.pooling
     }
 }
 
@@ -159,10 +241,15 @@ impl Eq for Schema {}
 
 impl std::fmt::Debug for Schema {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self.pooling {
-            Pooling::Session => write!(f, "Schema({})", self.name),
-            Pooling::Transaction => write!(f, "Schema({}, transaction pooling)", self.name),
+        let mut debug = f.debug_tuple("Schema");
+        debug.field(&format_args!("{}", self.named.name));
+        if self.layout == Layout::Partitioned {
+            debug.field(&format_args!("partitioned"));
         }
+        if self.pooling == Pooling::Transaction {
+            debug.field(&format_args!("transaction pooling"));
+        }
+        debug.finish()
     }
 }
 
@@ -204,7 +291,7 @@ impl Pooling {
 
 impl std::fmt::Display for Schema {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.name)
+        f.write_str(&self.named.name)
     }
 }
 
@@ -226,7 +313,8 @@ impl Deref for Sql {
     }
 }
 
-/// Runs the embedded migrations into `schema`, creating it first if it is missing.
+/// Runs the embedded migrations into `schema`, creating it first if it is missing: those of
+/// its [layout](Schema::layout) ([`MIGRATOR`] or [`PARTITIONED_MIGRATOR`]).
 ///
 /// The migrations run on a connection of their own (with the pool's connect options and
 /// `search_path` set to the schema), never on a pooled one, so no setting outlives them.
@@ -266,5 +354,8 @@ async fn run_migrations(conn: &mut PgConnection, schema: &Schema) -> Result<(), 
         conn.execute(format!("create schema \"{}\"", schema.name()).as_str())
             .await?;
     }
-    MIGRATOR.run(&mut *conn).await
+    match schema.layout() {
+        Layout::Plain => MIGRATOR.run(&mut *conn).await,
+        Layout::Partitioned => PARTITIONED_MIGRATOR.run(&mut *conn).await,
+    }
 }

@@ -173,6 +173,9 @@ pub enum ConsumerConfigError {
     /// `quarantine_after` is zero: every message would be quarantined before it ran.
     #[error("quarantine_after must be positive")]
     ZeroQuarantineAfter,
+    /// The isolation level is one the schema's [layout](crate::partition::Layout) refuses.
+    #[error(transparent)]
+    Layout(#[from] crate::inbox::LayoutError),
 }
 
 impl Consumer {
@@ -518,6 +521,7 @@ impl ConsumerBuilder {
         if self.quarantine_after == 0 {
             return Err(ConsumerConfigError::ZeroQuarantineAfter);
         }
+        crate::inbox::check_isolation(&self.schema, self.isolation)?;
         let inbox = Inbox::new(self.pool)
             .with_schema(self.schema)
             .with_isolation(self.isolation)

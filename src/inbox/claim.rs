@@ -70,6 +70,7 @@ impl Inbox {
         timed: &mut bool,
     ) -> Result<Claim, InboxError> {
         let consumer = identity.consumer();
+        self.check_layout(consumer).await?;
         let lock = ClaimLock::of(&self.schema, &identity);
         let deadline = Instant::now() + wait;
         if let Some(answer) = self
@@ -79,7 +80,7 @@ impl Inbox {
             return Ok(answer);
         }
         let fingerprint_hex = fingerprint.to_hex();
-        let claim_sql = self.schema.sql(sql::CLAIM);
+        let claim_sql = self.schema.sql_for(sql::CLAIM, sql::CLAIM_PARTITIONED);
         let read_sql = self.schema.sql(sql::LOOKUP_OR_BUSY);
         let mut vanished = 0;
         loop {
@@ -88,15 +89,23 @@ impl Inbox {
                 .begin(self.isolation.begin())
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
-            let claim = bind_identity!(sqlx::query(&claim_sql), &identity)
-                .bind(&fingerprint_hex)
-                .bind(handler_version.as_bytes())
-                .bind(lock.0)
-                .bind(lock.1)
-                .fetch_optional(&mut tx);
-            let claimed = within(self.deadline, claim)
+            let free = self
+                .lock_before_claim(&mut tx, lock)
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
+            let claimed = if free {
+                let claim = bind_identity!(sqlx::query(&claim_sql), &identity)
+                    .bind(&fingerprint_hex)
+                    .bind(handler_version.as_bytes())
+                    .bind(lock.0)
+                    .bind(lock.1)
+                    .fetch_optional(&mut tx);
+                within(self.deadline, claim)
+                    .await
+                    .map_err(|e| self.failed(consumer, e))?
+            } else {
+                None
+            };
             *timed = true;
             if let Some(row) = claimed {
                 let failed_before = row.try_get("failed").map_err(InboxError::Database)?;
@@ -244,6 +253,7 @@ impl Inbox {
         handler_version: &str,
         wait: Duration,
     ) -> Result<ClaimedMessage, InboxError> {
+        self.check_layout(identity.consumer()).await?;
         let tx = self
             .guarded()
             .begin(self.isolation.begin())

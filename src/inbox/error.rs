@@ -33,6 +33,11 @@ pub enum InboxError {
     /// Any other database error, such as missing migrations.
     #[error("the inbox query failed: {0}")]
     Database(#[source] sqlx::Error),
+    /// The schema's layout and the settings or the database disagree: an isolation level
+    /// the [partitioned layout](crate::partition) refuses, or tables migrated with another
+    /// layout. Nothing was claimed.
+    #[error(transparent)]
+    Layout(#[from] super::LayoutError),
 }
 
 impl InboxError {
@@ -82,7 +87,7 @@ impl InboxError {
             Self::Unavailable(_) => "unavailable",
             Self::OutcomeUnknown(_) => "outcome-unknown",
             Self::Transient(_) | Self::Rerun(_) => "transient",
-            Self::ClaimMissing | Self::Database(_) => "internal",
+            Self::ClaimMissing | Self::Database(_) | Self::Layout(_) => "internal",
         }
     }
 
@@ -97,7 +102,7 @@ impl InboxError {
             Self::Unavailable(err) | Self::OutcomeUnknown(err) => {
                 is_connection_lost(err).then_some(RetryReason::ConnectionLost)
             }
-            Self::ClaimMissing | Self::Database(_) => None,
+            Self::ClaimMissing | Self::Database(_) | Self::Layout(_) => None,
         }
     }
 }

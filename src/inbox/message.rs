@@ -227,7 +227,10 @@ impl ClaimedMessage {
         let (status, names, values, body) = response_binds(response);
         let failed_before = match &self.claimed {
             Claimed::First { failed_before } => {
-                let sql = self.inbox.schema().sql(sql::RECORD);
+                let sql = self
+                    .inbox
+                    .schema()
+                    .sql_for(sql::RECORD, sql::RECORD_PARTITIONED);
                 let record = bind_identity!(sqlx::query(&sql), &self.identity)
                     .bind(status)
                     .bind(names)
@@ -246,21 +249,33 @@ impl ClaimedMessage {
             }
             Claimed::AtCommit(claim) => {
                 let lock = ClaimLock::of(self.inbox.schema(), &self.identity);
-                let sql = self.inbox.schema().sql(sql::CLAIM_AT_COMMIT);
+                let sql = self
+                    .inbox
+                    .schema()
+                    .sql_for(sql::CLAIM_AT_COMMIT, sql::CLAIM_AT_COMMIT_PARTITIONED);
                 let started = Instant::now();
-                let claim_now = bind_identity!(sqlx::query(&sql), &self.identity)
-                    .bind(claim.fingerprint.to_hex())
-                    .bind(claim.handler_version.as_bytes())
-                    .bind(lock.0)
-                    .bind(lock.1)
-                    .bind(status)
-                    .bind(names)
-                    .bind(values)
-                    .bind(body)
-                    .fetch_optional(&mut self.tx);
-                let claimed = within(self.inbox.deadline, claim_now)
+                let free = self
+                    .inbox
+                    .lock_before_claim(&mut self.tx, lock)
                     .await
-                    .map_err(InboxError::classify);
+                    .map_err(InboxError::classify)?;
+                let claimed = if free {
+                    let claim_now = bind_identity!(sqlx::query(&sql), &self.identity)
+                        .bind(claim.fingerprint.to_hex())
+                        .bind(claim.handler_version.as_bytes())
+                        .bind(lock.0)
+                        .bind(lock.1)
+                        .bind(status)
+                        .bind(names)
+                        .bind(values)
+                        .bind(body)
+                        .fetch_optional(&mut self.tx);
+                    within(self.inbox.deadline, claim_now)
+                        .await
+                        .map_err(InboxError::classify)
+                } else {
+                    Ok(None)
+                };
                 m::observe_seconds(
                     m::CLAIM_WAIT,
                     &self

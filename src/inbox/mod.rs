@@ -43,6 +43,7 @@ mod entry;
 mod error;
 mod executor;
 mod failure;
+mod layout;
 mod lock;
 mod lookup;
 mod message;
@@ -68,6 +69,8 @@ pub(crate) use claim::count_claim;
 pub(crate) use entry::{headers_len, seen};
 pub use entry::{Claim, InboxEntry, RecordedResponse};
 pub use error::InboxError;
+pub(crate) use layout::check_isolation;
+pub use layout::LayoutError;
 pub(crate) use lock::ClaimLock;
 use lookup::{LookupFirst, TakenShare};
 pub use message::ClaimedMessage;
@@ -96,6 +99,8 @@ pub struct Inbox {
     /// How long each of the inbox's own statements may take (see
     /// [`with_statement_deadline`](Self::with_statement_deadline)).
     deadline: Duration,
+    /// Set once the database was found to have the schema's layout (the first claim asks).
+    layout_checked: Arc<tokio::sync::OnceCell<()>>,
 }
 
 impl Inbox {
@@ -115,6 +120,7 @@ impl Inbox {
             taken: Arc::new(TakenShare::new()),
             waiters: Arc::new(Waiters::new(limit)),
             deadline: DEFAULT_STATEMENT_DEADLINE,
+            layout_checked: Arc::default(),
         }
     }
 
@@ -141,12 +147,17 @@ impl Inbox {
 
     /// The tables are in `schema` (migrated there with
     /// [`migrate_schema`](crate::schema::migrate_schema)).
+    ///
+    /// The first claim checks that the database's inbox table has the schema's
+    /// [layout](crate::partition::Layout), and fails with [`InboxError::Layout`] otherwise.
     pub fn with_schema(mut self, schema: Schema) -> Self {
         self.schema = schema;
+        self.layout_checked = Arc::default();
         self
     }
 
-    /// Claims run at `level`.
+    /// Claims run at `level`. With the [partitioned layout](crate::partition), only `READ
+    /// COMMITTED` is correct: claims at another level fail with [`InboxError::Layout`].
     pub fn with_isolation(mut self, level: IsolationLevel) -> Self {
         self.isolation = level;
         self
@@ -230,6 +241,17 @@ impl Inbox {
     /// The identity labels metrics carry.
     pub fn metric_labels(&self) -> MetricLabels {
         self.labels
+    }
+
+    /// Refuses a claim the schema's layout cannot make correctly: an isolation level it does
+    /// not allow, or (asked once) a database laid out otherwise.
+    pub(crate) async fn check_layout(&self, consumer: &str) -> Result<(), InboxError> {
+        check_isolation(&self.schema, self.isolation)?;
+        self.layout_checked
+            .get_or_try_init(|| layout::check_layout(self))
+            .await
+            .inspect_err(|err| err.count(&self.labels.of_consumer(consumer)))?;
+        Ok(())
     }
 
     /// Classifies an error of the inbox's own database work and counts it.

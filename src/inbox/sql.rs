@@ -1,5 +1,7 @@
 //! The statements the protocol core sends, next to the tables they rely on
 //! (`migrations/20261204000001_inbox.sql`, `…02_outbox_quarantine.sql`).
+//! (Over 400 lines: every statement of the protocol, and the partitioned layout's variants
+//! next to the plain ones they replace.)
 //!
 //! Every value is a bound parameter, so no value is ever part of the statement's text: the
 //! server's log shows the text of a failing statement, never what a client sent, and no
@@ -53,12 +55,27 @@ macro_rules! message_values {
     };
 }
 
+/// The partitioned claim's condition: the lock is free and no committed row holds the key,
+/// in any partition.
+macro_rules! partitioned_free {
+    () => {
+        concat!(
+            "lock.free and not exists (select 1 from tower_inbox.consumer_inbox c where ",
+            key_is!("c"),
+            ")"
+        )
+    };
+}
+
 /// The claim's statement: the key's advisory try-lock, then the insert of the identity
 /// (`$1`..`$4`), fingerprint (`$5`) and handler version (`$6`), with `$columns` and `$values`
 /// after them, unless the lock is held; a row comes back when it inserted, saying whether
 /// earlier attempts failed.
 macro_rules! claim {
     ($columns:literal, $values:literal) => {
+        claim!($columns, $values, "lock.free")
+    };
+    ($columns:literal, $values:literal, $($free:tt)+) => {
         concat!(
             "with lock as ( \
                  select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free \
@@ -70,8 +87,9 @@ macro_rules! claim {
             ") select ",
             message_values!(),
             $values,
-            " from lock where lock.free \
-             on conflict do nothing \
+            " from lock where ",
+            $($free)+,
+            " on conflict do nothing \
              returning ",
             failed_before!(),
             " as failed"
@@ -104,19 +122,52 @@ pub(crate) const CLAIM_AT_COMMIT: &str = claim!(
     ", pg_catalog.clock_timestamp(), $9, $10, $11, $12"
 );
 
+/// The partitioned layout's claim: the key's row may be in any partition, and the primary
+/// key (which includes `received_at`) no longer meets it, so the claim looks for a
+/// committed row of the key itself. **It must follow [`TRY_CLAIM_LOCK`], granted, in the
+/// same transaction** (`Inbox::lock_before_claim`): a statement reads with a snapshot taken
+/// when it starts, so only a statement that starts after the lock was granted sees the row
+/// of every claim that held the lock before (a claim releases it only after its commit is
+/// visible). Its own try-lock is then the same lock taken again, always free. That holds
+/// under `READ COMMITTED`; under `REPEATABLE READ` or `SERIALIZABLE` the transaction's first
+/// snapshot would be used, so the layer refuses those levels with this layout. Parameters
+/// and result as [`CLAIM`].
+pub(crate) const CLAIM_PARTITIONED: &str = claim!("", "", partitioned_free!());
+
+/// [`CLAIM_AT_COMMIT`] for the partitioned layout, as [`CLAIM_PARTITIONED`].
+pub(crate) const CLAIM_AT_COMMIT_PARTITIONED: &str = claim!(
+    ", processed_at, response_status, response_header_names, response_header_values, \
+     response_body",
+    ", pg_catalog.clock_timestamp(), $9, $10, $11, $12",
+    partitioned_free!()
+);
+
+/// The record's update of the claimed row, found by its key and `$rest`.
+macro_rules! record {
+    ($rest:literal) => {
+        concat!(
+            "update tower_inbox.consumer_inbox i \
+             set processed_at = pg_catalog.clock_timestamp(), response_status = $5, \
+                 response_header_names = $6, response_header_values = $7, response_body = $8 \
+             where ",
+            key_is!("i"),
+            $rest,
+            " returning 1"
+        )
+    };
+}
+
 /// Records the outcome on the row this transaction claimed (`$5` status, `$6` header names,
 /// `$7` header values, `$8` body); a row comes back when it found the claimed row, and it
 /// must: a claim never commits without its response. The update touches no indexed column,
 /// so it can be HOT. `processed_at` is the time of recording (`clock_timestamp()`), not the
 /// start of the transaction (`now()`, which `received_at` holds).
-pub(crate) const RECORD: &str = concat!(
-    "update tower_inbox.consumer_inbox i \
-     set processed_at = pg_catalog.clock_timestamp(), response_status = $5, \
-         response_header_names = $6, response_header_values = $7, response_body = $8 \
-     where ",
-    key_is!("i"),
-    " returning 1"
-);
+pub(crate) const RECORD: &str = record!("");
+
+/// [`RECORD`] for the partitioned layout: the claimed row's `received_at` is this
+/// transaction's `now()` (the column's default), so the update goes to that partition alone
+/// instead of probing each partition's primary key.
+pub(crate) const RECORD_PARTITIONED: &str = record!(" and i.received_at = pg_catalog.now()");
 
 /// Marks the quarantine item about earlier failed attempts of a command (key `$1`)
 /// recovered, in the transaction that commits its success: the recovery commits exactly when
@@ -269,6 +320,12 @@ join pg_catalog.pg_stat_activity a on a.pid = l.pid \
 where l.locktype = 'advisory' and l.objsubid = 2 and l.granted \
   and a.datname = pg_catalog.current_database() and l.database = a.datid \
 group by l.classid";
+
+/// How the inbox table is laid out: `p` partitioned, `r` plain; no row without the table.
+pub(crate) const RELKIND: &str = "\
+select c.relkind::text from pg_catalog.pg_class c \
+join pg_catalog.pg_namespace n on n.oid = c.relnamespace \
+where n.nspname = $1 and c.relname = 'consumer_inbox'";
 
 /// When the key's row was claimed and recorded (`$1` to `$4`, bound by `bind_identity!`).
 pub(crate) const TIMES: &str = concat!(

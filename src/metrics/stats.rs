@@ -91,6 +91,13 @@ const INBOX_BYTES: &str = "\
 select coalesce(pg_catalog.pg_total_relation_size( \
            pg_catalog.to_regclass('tower_inbox.consumer_inbox')), 0)::int8";
 
+/// [`INBOX_BYTES`] for the partitioned layout: a partitioned table has no storage of its
+/// own, its partitions have it.
+const INBOX_BYTES_PARTITIONED: &str = "\
+select coalesce(pg_catalog.sum(pg_catalog.pg_total_relation_size(p.relid)), 0)::int8 \
+from pg_catalog.pg_partition_tree(pg_catalog.to_regclass('tower_inbox.consumer_inbox')) p \
+where p.isleaf";
+
 const OUTBOX: &str = "\
 select pg_catalog.count(*)::int8, \
        coalesce(extract(epoch from pg_catalog.now() - pg_catalog.min(created_at)), 0)::float8 \
@@ -278,10 +285,11 @@ impl StatsTask {
                 (consumer, rows, age)
             })
             .collect::<Vec<_>>();
-        let inbox_table_bytes: i64 = sqlx::query_scalar(&self.schema.sql(INBOX_BYTES))
-            .fetch_one(self.db())
-            .await
-            .map_err(classify)?;
+        let inbox_table_bytes: i64 =
+            sqlx::query_scalar(&self.schema.sql_for(INBOX_BYTES, INBOX_BYTES_PARTITIONED))
+                .fetch_one(self.db())
+                .await
+                .map_err(classify)?;
         let (claims_in_flight, in_flight_age): (i64, f64) =
             sqlx::query_as(&self.schema.sql(IN_FLIGHT))
                 .fetch_one(self.db())

@@ -127,6 +127,9 @@ pub enum ConfigError {
     /// A limit is zero, or the key limit is over 255: which setting, and what it must be.
     #[error("bad limit: {0}")]
     BadLimit(&'static str),
+    /// The isolation level is one the schema's [layout](crate::partition::Layout) refuses.
+    #[error(transparent)]
+    Layout(#[from] crate::inbox::LayoutError),
 }
 
 /// The [`InboxLayerBuilder`] before a producer scope is set: it has no `build` yet.
@@ -496,6 +499,7 @@ impl InboxLayerBuilder<HasProducer> {
         if self.max_key_len == 0 || self.max_key_len > MAX_KEY_LEN {
             return Err(ConfigError::BadLimit("max_key_len must be 1 to 255"));
         }
+        crate::inbox::check_isolation(&self.schema, self.isolation)?;
         if self.quarantine_after == 0 {
             return Err(ConfigError::BadLimit("quarantine_after must be positive"));
         }

@@ -69,45 +69,30 @@
 //! ## Partitioning the inbox by time
 //!
 //! For very large inboxes, deleting row by row costs more than it should; dropping a whole
-//! partition costs almost nothing. This crate's tables are not partitioned, but an inbox can
-//! be, if the partition key is chosen right.
+//! partition costs almost nothing. The [partitioned layout](crate::partition) partitions
+//! `consumer_inbox` by `received_at`, and the [`Purger`] then drops each partition whose
+//! whole range is past the window (after moving the rows it must keep into the default
+//! partition) instead of deleting its rows in batches.
 //!
-//! **A unique key on a partitioned table must include the partition key**, so PostgreSQL
-//! enforces it per partition only. The primary key is the claim's concurrency control and
-//! its duplicate detection, which makes the choice of partition key a correctness decision:
+//! A unique key on a partitioned table must include the partition key, so PostgreSQL
+//! enforces it per partition only: a redelivery received later would land in a newer
+//! partition and conflict with nothing there. The partitioned claim therefore does not rely
+//! on the primary key: it takes the key's claim lock in a statement of its own and then
+//! looks for a committed row of the key in every partition, with a snapshot taken after the
+//! lock was granted. That is why `received_at` can be the partition key (no message time is
+//! needed), and why only `READ COMMITTED` is allowed with that layout.
 //!
-//! * **Not `received_at`.** A redelivery is received later than the original, so its
-//!   `received_at` can fall into a newer partition; the insert conflicts with nothing there
-//!   and the duplicate is claimed and applied again.
-//! * **A time derived from the message itself, the same on every copy and every retry**: the
-//!   producer's event time, or better the timestamp inside a UUIDv7 message ID (it cannot
-//!   disagree with the ID). Every copy then lands in the same partition and conflicts with
-//!   the original there.
-//! * That column becomes part of the primary key: `(consumer_name, producer_name,
-//!   tenant_id, message_id, message_time)`. With an event time carried beside the ID, two
-//!   copies of one ID with different times would be two rows: the producer must never
-//!   change it, which is why a time derived from the ID is the safer choice. It must be a
-//!   plain column (PostgreSQL allows neither a generated column nor an expression in a
-//!   partition key that a primary key has to include), so the claim must supply it.
-//! * Keep `processed_at` out of the key and out of every index, as now, so recording stays
-//!   a HOT update.
-//! * Drop a partition only when its **whole range** is older than the window, measured by
-//!   that message time. A message produced long ago may have been processed recently; its
-//!   row goes with the partition, which is why the next point is not optional.
-//! * **The guard must refuse every message whose time falls in a dropped range.** Because
-//!   partitions are dropped only past the window, a guard with the same window does this.
-//!   Create no default partition (it would accept such a message as new); create partitions
-//!   ahead of time, so a message from the near future has one (an insert with no partition
-//!   fails, which is safe but refuses work).
-//!
-//! The claim function shipped in the migrations inserts no message time; a partitioned
-//! inbox needs a claim that passes one, and that is not in this version.
+//! Dropping partitions forgets exactly what the batched purge forgets: rows received and
+//! processed before the window, other than migration steps and rows an open quarantine item
+//! refers to. A partition whose range straddles the cutoff waits until its whole range is
+//! past it, so the table holds up to one partition step more than the window. The guard
+//! works as with the plain layout.
 
 mod guard;
 mod policy;
 mod purge;
 mod report;
-mod sql;
+pub(crate) mod sql;
 
 pub use guard::{ExpiredMessage, GuardedClaim, RetentionGuard};
 pub use policy::{

@@ -19,6 +19,9 @@ use super::policy::{check_duration, RetentionError, RetentionPolicy};
 use super::report::{PurgeError, PurgeReport, PurgedTable, TablePurge};
 use super::sql;
 use crate::inbox::InboxError;
+use crate::partition::{Layout, PartitionPlan};
+
+mod partitions;
 
 /// One set of purgeable rows: its dry-run count and its batch delete, built from one
 /// predicate in `sql.rs`.
@@ -38,6 +41,12 @@ struct Target {
 const INBOX: &[Statement] = &[Statement {
     count: sql::INBOX_COUNT,
     delete: sql::INBOX_DELETE,
+}];
+/// The partitioned layout's inbox in batches: its default partition (the others are
+/// dropped whole, `purge/partitions.rs`).
+const INBOX_DEFAULT_PARTITION: &[Statement] = &[Statement {
+    count: sql::DEFAULT_INBOX_COUNT,
+    delete: sql::DEFAULT_INBOX_DELETE,
 }];
 const FAILURES: &[Statement] = &[Statement {
     count: sql::FAILURES_COUNT,
@@ -110,6 +119,8 @@ pub struct Purger {
     batch_size: i64,
     lock_timeout: String,
     pause: Duration,
+    /// The partitions created ahead; `None` when something else creates them.
+    partitions: Option<PartitionPlan>,
 }
 
 /// Configures a [`Purger`].
@@ -124,6 +135,7 @@ pub struct PurgerBuilder {
     batch_size: u32,
     lock_timeout: Duration,
     pause: Duration,
+    partitions: Option<PartitionPlan>,
 }
 
 /// The largest batch accepted: batches must stay short.
@@ -148,6 +160,7 @@ impl Purger {
             batch_size: 200,
             lock_timeout: Duration::from_secs(1),
             pause: DEFAULT_PAUSE,
+            partitions: Some(PartitionPlan::default()),
         }
     }
 }
@@ -215,6 +228,21 @@ impl PurgerBuilder {
         self
     }
 
+    /// With the [partitioned layout](crate::partition): the partitions each purge of the
+    /// inbox creates ahead before it drops the expired ones (default: one a day, two days
+    /// ahead). The purge skips a range that an existing partition overlaps.
+    pub fn partitions(mut self, plan: PartitionPlan) -> Self {
+        self.partitions = Some(plan);
+        self
+    }
+
+    /// With the partitioned layout: create no partitions, something else does (pg_partman's
+    /// maintenance, see `docs/scaling.md`); the purge still drops the expired ones.
+    pub fn partitions_created_elsewhere(mut self) -> Self {
+        self.partitions = None;
+        self
+    }
+
     /// Checks the settings.
     pub fn build(self) -> Result<Purger, RetentionError> {
         if self.batch_size == 0 || self.batch_size > MAX_BATCH {
@@ -237,7 +265,10 @@ impl PurgerBuilder {
             targets.push(Target {
                 table: PurgedTable::ConsumerInbox,
                 window,
-                statements: INBOX,
+                statements: match self.schema.layout() {
+                    Layout::Plain => INBOX,
+                    Layout::Partitioned => INBOX_DEFAULT_PARTITION,
+                },
             });
             targets.push(Target {
                 table: PurgedTable::ConsumerInboxFailure,
@@ -271,6 +302,7 @@ impl PurgerBuilder {
             batch_size: i64::from(self.batch_size),
             lock_timeout: format!("{}ms", self.lock_timeout.as_millis().max(1)),
             pause: self.pause,
+            partitions: self.partitions,
         })
     }
 }
@@ -422,6 +454,17 @@ impl Purger {
             rows: 0,
             batches: 0,
         };
+        if target.table == PurgedTable::ConsumerInbox && self.schema.layout() == Layout::Partitioned
+        {
+            let flow = self
+                .drop_partitions(cutoff, dry_run, &mut purged, observe)
+                .await
+                .map_err(|e| (e, purged.rows))?;
+            if flow.is_break() {
+                span.record("rows", purged.rows);
+                return Ok((purged, true));
+            }
+        }
         for statement in target.statements {
             if dry_run {
                 let rows = self

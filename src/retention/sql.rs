@@ -36,8 +36,13 @@ macro_rules! no_open_item {
 /// after.
 macro_rules! inbox_expired {
     () => {
+        inbox_expired!("consumer_inbox")
+    };
+    ($table:literal) => {
         concat!(
-            "from tower_inbox.consumer_inbox i \
+            "from tower_inbox.",
+            $table,
+            " i \
              where i.received_at < $1 and i.processed_at < $1 \
                and i.producer_name not like 'migration:%' and ",
             no_open_item!()
@@ -165,6 +170,28 @@ purgeable!(
     INBOX_COUNT, INBOX_DELETE: "consumer_inbox" as "i",
     rows inbox_expired, oldest "received_at"
 );
+/// The partitioned layout's rows in its default partition that the purge deletes in
+/// batches (what a partition drop kept, and claims made while no partition covered their
+/// time): [`INBOX_COUNT`] and [`INBOX_DELETE`] on that partition. The other partitions are
+/// dropped whole (`src/retention/purge/partitions.rs`).
+macro_rules! default_partition_expired {
+    () => {
+        inbox_expired!("consumer_inbox_default")
+    };
+}
+purgeable!(
+    DEFAULT_INBOX_COUNT, DEFAULT_INBOX_DELETE: "consumer_inbox_default" as "i",
+    rows default_partition_expired, oldest "received_at"
+);
+
+/// The rows of one partition (`$2` to `$3`) a drop would take: [`INBOX_COUNT`] within its
+/// range, for the dry run.
+pub(crate) const PARTITION_COUNT: &str = concat!(
+    "select pg_catalog.count(*) ",
+    inbox_expired!(),
+    " and i.received_at >= $2 and i.received_at < $3"
+);
+
 purgeable!(
     FAILURES_COUNT, FAILURES_DELETE: "consumer_inbox_failure" as "i",
     rows failures_expired, oldest "last_failed_at"

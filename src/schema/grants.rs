@@ -2,13 +2,17 @@
 //! application's: least privilege for the service, with the tables owned by another role that
 //! runs the migrations.
 
-use super::Schema;
+use super::{Layout, Schema};
 
 /// Everything the running service does: `migrations/grants/service.sql`.
 const SERVICE: &str = include_str!("../../migrations/grants/service.sql");
 
 /// What the retention purge needs on top: `migrations/grants/purge.sql`.
 const PURGE: &str = include_str!("../../migrations/grants/purge.sql");
+
+/// What the purge needs on top with the partitioned layout:
+/// `migrations/grants/partitioned_purge.sql`.
+const PARTITIONED_PURGE: &str = include_str!("../../migrations/grants/partitioned_purge.sql");
 
 /// The crate's work a role does, which decides what [`grant_statements`] grants it.
 ///
@@ -33,7 +37,9 @@ pub struct RoleError(String);
 
 /// The `GRANT` statements that give `role` what `access` needs in `schema`, one statement a
 /// string, to run as the owner of the schema's tables after the migrations (again after an
-/// upgrade whose migrations add a table).
+/// upgrade whose migrations add a table). With the [partitioned layout](Layout::Partitioned),
+/// the purge's also grant `EXECUTE` on its partition functions and its rights on the
+/// default partition; the service needs nothing more.
 ///
 /// `role` is the name as PostgreSQL stores it (an unquoted `CREATE ROLE App` is `app`); it is
 /// quoted in the statements, so any name is safe to pass. Nothing is granted on
@@ -58,9 +64,10 @@ pub fn grant_statements(
     if role.is_empty() || role.len() > 63 || role.contains('\0') {
         return Err(RoleError(role.to_owned()));
     }
-    let scripts: &[&str] = match access {
-        Access::Service => &[SERVICE],
-        Access::ServiceAndPurge => &[SERVICE, PURGE],
+    let scripts: &[&str] = match (access, schema.layout()) {
+        (Access::Service, _) => &[SERVICE],
+        (Access::ServiceAndPurge, Layout::Plain) => &[SERVICE, PURGE],
+        (Access::ServiceAndPurge, Layout::Partitioned) => &[SERVICE, PURGE, PARTITIONED_PURGE],
     };
     // The schema name is validated (lowercase letters, digits, '_'): quoting is enough.
     let schema = format!("\"{}\"", schema.name());
@@ -107,6 +114,21 @@ mod tests {
         assert_eq!(purge[..2], service[..]);
         assert_eq!(purge.len(), 3);
         assert!(purge[2].starts_with("grant delete on "), "{}", purge[2]);
+    }
+
+    #[test]
+    fn the_partitioned_layout_adds_the_purges_functions_and_default_partition() {
+        let schema = Schema::default().with_layout(Layout::Partitioned);
+        let service = grant_statements(&schema, "app", Access::Service).unwrap();
+        assert_eq!(
+            service,
+            grant_statements(&Schema::default(), "app", Access::Service).unwrap()
+        );
+        let purge = grant_statements(&schema, "app", Access::ServiceAndPurge).unwrap();
+        assert!(purge.iter().any(|g| g.contains("inbox_drop_partition")));
+        assert!(purge
+            .iter()
+            .any(|g| g.contains(r#""tower_inbox".consumer_inbox_default"#)));
     }
 
     #[test]

@@ -321,6 +321,22 @@ pub async fn add_one(tx: &mut tower_inbox::InboxTx, account: &str) {
     .expect("write");
 }
 
+/// Asserts that a purge failed on the inbox because its lock timeout ran out
+/// (`lock_not_available`, 55P03) rather than waiting.
+pub fn assert_inbox_purge_gave_up_on_a_lock(
+    result: Result<tower_inbox::retention::PurgeReport, tower_inbox::retention::PurgeError>,
+) {
+    let err = result.expect_err("the purge should have given up");
+    assert_eq!(
+        err.table,
+        tower_inbox::retention::PurgedTable::ConsumerInbox
+    );
+    let tower_inbox::inbox::InboxError::Database(sqlx::Error::Database(db)) = &err.source else {
+        panic!("{:?}", err.source);
+    };
+    assert_eq!(db.code().as_deref(), Some("55P03"), "lock_not_available");
+}
+
 /// The broker consumers' business write: one more on the account `acct`, in the claimed
 /// transaction.
 pub fn credit_acct(

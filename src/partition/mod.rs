@@ -1,0 +1,132 @@
+//! The partitioned layout: the inbox partitioned by time, so the purge drops a whole
+//! partition instead of deleting its rows in batches.
+//!
+//! Opt in with [`Layout::Partitioned`] on the [`Schema`] given to
+//! [`migrate_schema`](crate::schema::migrate_schema), the layer (or
+//! [`Inbox`](crate::inbox::Inbox), or the consumer) and the
+//! [`Purger`](crate::retention::Purger). `consumer_inbox` is then partitioned by range of
+//! `received_at` (`migrations/partitioned/`), with a default partition as a safety net; the
+//! outbox, the failure records and the quarantine stay as they are.
+//!
+//! **What keeps one row per identity.** A unique key of a partitioned table must include the
+//! partition column, so the primary key (now with `received_at`) no longer catches a
+//! duplicate claimed at another time. Every claim already holds its key's advisory lock
+//! until its transaction ends; with this layout the claim takes it in a statement of its
+//! own, then inserts only if no committed row of the key exists in any partition. That
+//! statement's snapshot is taken after the lock was granted, so it sees the row of any claim
+//! that held the lock before (a claim releases it only after its commit is visible). This
+//! holds under `READ COMMITTED` only: under `REPEATABLE READ` or `SERIALIZABLE` every
+//! statement reads the transaction's first snapshot, taken before the lock, and a duplicate
+//! committed in between would go unseen. So the layer, the consumer and the inbox **refuse
+//! those isolation levels** with this layout ([`LayoutError::Isolation`]), and the first
+//! claim refuses a database whose table has the other layout ([`LayoutError::Mismatch`]).
+//!
+//! **Lookups** by identity (the duplicate's read, the claim's check, the failure record's
+//! guard, the operator's reads) probe each partition's primary key: their cost grows with
+//! the number of partitions, so keep them to tens (the window divided by the partition
+//! step, plus the ones created ahead). The record step names the partition
+//! (`received_at = now()`, the claim's own time), so it touches one.
+//!
+//! **Partitions** are created ahead by the purger ([`PartitionPlan`], one day, two ahead by
+//! default) or with [`PartitionPlan::create`]; a claim made while none covers its time lands
+//! in the default partition, which the next creation empties into the new partition. With
+//! pg_partman instead, let it create the partitions of `consumer_inbox` (`received_at`) and
+//! build the purger with
+//! [`partitions_created_elsewhere`](crate::retention::PurgerBuilder::partitions_created_elsewhere):
+//! the purger's drops keep what must be kept; see `docs/scaling.md`.
+
+pub(crate) mod sql;
+
+use std::time::Duration;
+
+use sqlx::PgPool;
+use time::OffsetDateTime;
+
+use crate::inbox::InboxError;
+use crate::schema::Schema;
+
+pub use crate::inbox::LayoutError;
+pub use crate::schema::Layout;
+
+/// Which partitions to keep ahead of time: ranges of `step`, aligned to multiples of it
+/// since the Unix epoch (UTC), from the one holding now to `ahead` more.
+///
+/// ```
+/// use std::time::Duration;
+/// use tower_inbox::partition::PartitionPlan;
+///
+/// let plan = PartitionPlan::new(Duration::from_secs(6 * 3600), 4)?; // six hours, a day ahead
+/// assert_eq!(plan.step(), Duration::from_secs(6 * 3600));
+/// assert!(PartitionPlan::new(Duration::from_secs(1), 4).is_err());
+/// # Ok::<(), tower_inbox::partition::PlanError>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartitionPlan {
+    step: Duration,
+    ahead: u32,
+}
+
+/// A [`PartitionPlan`] refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("a partition step must be a whole number of minutes, 1 minute to 366 days, and at most 1000 partitions ahead")]
+pub struct PlanError;
+
+impl Default for PartitionPlan {
+    /// A partition a day, two days ahead.
+    fn default() -> Self {
+        Self {
+            step: Duration::from_secs(24 * 3600),
+            ahead: 2,
+        }
+    }
+}
+
+impl PartitionPlan {
+    /// Partitions of `step` (whole minutes, one minute to 366 days), `ahead` of the current
+    /// one (at most 1000).
+    pub fn new(step: Duration, ahead: u32) -> Result<Self, PlanError> {
+        let minutes_only = step.subsec_nanos() == 0 && step.as_secs().is_multiple_of(60);
+        if !minutes_only || step.as_secs() == 0 || step.as_secs() > 366 * 24 * 3600 || ahead > 1000
+        {
+            return Err(PlanError);
+        }
+        Ok(Self { step, ahead })
+    }
+
+    /// Each partition's range.
+    pub fn step(&self) -> Duration {
+        self.step
+    }
+
+    /// How many partitions past the current one are kept created.
+    pub fn ahead(&self) -> u32 {
+        self.ahead
+    }
+
+    /// Creates the missing partitions of this plan in `schema` (partitioned layout), as the
+    /// tables' owner through `inbox_create_partitions` (the role needs
+    /// [`Access::ServiceAndPurge`](crate::schema::Access)); how many it created. None are
+    /// created while another session is creating or dropping partitions: it is doing this.
+    pub async fn create(&self, pool: &PgPool, schema: &Schema) -> Result<u32, InboxError> {
+        self.create_since(pool, schema, None).await
+    }
+
+    /// As [`create`](Self::create), also creating the partitions from the one holding
+    /// `since` on, for rows to be loaded with past times (at most 10 000 partitions at
+    /// once).
+    pub async fn create_since(
+        &self,
+        pool: &PgPool,
+        schema: &Schema,
+        since: Option<OffsetDateTime>,
+    ) -> Result<u32, InboxError> {
+        let created: i32 = sqlx::query_scalar(&schema.sql(sql::CREATE_PARTITIONS))
+            .bind(self.step.as_secs_f64())
+            .bind(since.unwrap_or_else(OffsetDateTime::now_utc))
+            .bind(i32::try_from(self.ahead).unwrap_or(i32::MAX))
+            .fetch_one(pool)
+            .await
+            .map_err(InboxError::classify)?;
+        Ok(u32::try_from(created).unwrap_or(0))
+    }
+}
