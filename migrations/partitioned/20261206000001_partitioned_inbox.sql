@@ -91,6 +91,7 @@ declare
     range_start timestamptz;
     range_end timestamptz;
     part text;
+    has_rows boolean;
     created integer := 0;
 begin
     first_start := pg_catalog.floor(
@@ -118,10 +119,22 @@ begin
             'create table %I.%I (like %I.consumer_inbox including defaults including constraints) with (fillfactor = 80)',
             schema_name, part, schema_name);
         -- Rows that fell into the default partition for want of this one move into it, so the
-        -- attach's check of the default partition finds none.
+        -- attach's check of the default partition finds none. The whole inbox is locked
+        -- first: a claim planned before the attach commits would check the partitions it
+        -- knew of, the default among them, but not this one, and miss a moved row of its
+        -- key. With the lock, a claim waits and is planned against the new partitions. A
+        -- range created ahead is empty and takes no such lock; a row that lands in the
+        -- default partition meanwhile makes the attach fail, moving nothing.
         execute pg_catalog.format(
-            'with moved as (delete from %I.consumer_inbox_default where received_at >= $1 and received_at < $2 returning *) insert into %I.%I select * from moved',
-            schema_name, schema_name, part) using range_start, range_end;
+            'select exists (select from %I.consumer_inbox_default where received_at >= $1 and received_at < $2)',
+            schema_name) into has_rows using range_start, range_end;
+        if has_rows then
+            execute pg_catalog.format('lock table %I.consumer_inbox in access exclusive mode',
+                                      schema_name);
+            execute pg_catalog.format(
+                'with moved as (delete from %I.consumer_inbox_default where received_at >= $1 and received_at < $2 returning *) insert into %I.%I select * from moved',
+                schema_name, schema_name, part) using range_start, range_end;
+        end if;
         execute pg_catalog.format(
             'alter table %I.consumer_inbox attach partition %I.%I for values from (%L) to (%L)',
             schema_name, schema_name, part, range_start, range_end);
