@@ -139,7 +139,8 @@ impl Drop for Lease {
 /// deadline. The rows are read in full before the first is handed on (the crate's
 /// statements return a bounded number), so the connection is back in the pool, or closed,
 /// by then. With [`Pooling::Transaction`] each statement is unnamed and runs in a
-/// transaction of its own.
+/// transaction of its own. Preparing and describing (which the crate never does) go to the
+/// pool as they are, within the deadline only.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Guarded<'p> {
     pub(crate) pool: &'p PgPool,
