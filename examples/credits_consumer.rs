@@ -1,5 +1,7 @@
 //! The credits service consuming commands from a broker: NATS JetStream by default.
 //!
+//! (Over 400 lines: one runnable example, publisher and consumer for both brokers.)
+//!
 //! ```sh
 //! cargo run --example credits_consumer --features nats
 //! # in another terminal: credit account a1 with 10, message ID c-1 (any client will do)

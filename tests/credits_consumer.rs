@@ -4,6 +4,7 @@
 //! and published as an event; a poison message ends in the quarantine. Then every broker
 //! connection cut under load: the same process reconnects and loses nothing. (Conflicts
 //! and the other outcomes are driven one by one in tests/nats.rs and tests/amqp.rs.)
+//! (Over 400 lines: the example run as a process, with its kill loop and broker cuts.)
 
 mod common;
 

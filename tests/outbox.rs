@@ -1,4 +1,5 @@
 //! The outbox and the quarantine against real HTTP receivers on loopback.
+//! (Over 400 lines: one suite for the dispatcher's every outcome, sharing its receivers.)
 
 mod common;
 

@@ -1,4 +1,5 @@
 //! The periodic stats task: gauges that only the database can answer (sizes and ages).
+//! (Over 400 lines: each gauge's statement sits beside the one read that uses it.)
 
 use std::collections::BTreeSet;
 use std::future::Future;
