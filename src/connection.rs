@@ -1,6 +1,9 @@
 //! The connections the crate's own statements run on: each statement gets an answer within a
 //! deadline, and a connection whose state is unknown is closed, never returned to the pool.
 //!
+//! (Over 400 lines: the guarded pool, the owned transaction and the statement wrapper share one
+//! rule, when a connection may go back to the pool, and read best side by side.)
+//!
 //! A connection can go half-open: a network partition, or a database host that vanished,
 //! leaves both ends open with nothing passing and neither end told. A statement on it waits
 //! for ever, and so does the pool when the connection comes back to it: sqlx pings a
@@ -11,9 +14,6 @@
 //! statement or a transaction, is closed (sqlx's documented `PoolConnection::close_on_drop`):
 //! the pool opens a new one, and the server ends the old session's transaction when it hears
 //! of the close, or after `idle_in_transaction_session_timeout` when it cannot.
-//!
-//! (Over 400 lines: the guarded pool, the owned transaction and the statement wrapper share one
-//! rule, when a connection may go back to the pool, and read best side by side.)
 
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
