@@ -1,6 +1,8 @@
 //! The `tower-inbox` command line (feature `cli`), run as a process against a real database:
 //! each command on seeded data, its JSON compared with what the library reports for the
 //! same rows, refusals and their exit codes, and an unreachable database.
+//! The partitioned layout through the command line: `migrate --layout`, the purge's
+//! partition drops and their dry run, and the partitions in `status`.
 //! (Over 400 lines: one test per command, all on the same seeded database shape.)
 
 mod common;
@@ -11,10 +13,13 @@ use std::time::{Duration, Instant};
 use common::{credit, receiver, send, TestApp};
 use serde_json::Value;
 use sqlx::PgPool;
+use time::OffsetDateTime;
 use tower_inbox::inbox::Inbox;
 use tower_inbox::metrics::StatsTask;
 use tower_inbox::outbox::{enqueue, Dispatcher, HttpTransport, OutboxMessage};
+use tower_inbox::partition::{self, InboxPartition, PartitionPlan};
 use tower_inbox::quarantine::{Quarantine, QuarantineFilter, QuarantineSource};
+use tower_inbox::schema::{Layout, Schema};
 use tower_inbox::{MessageIdentity, MessageKey, Producer};
 
 /// Runs the binary against `url` with `args`; `DATABASE_URL` carries the URL.
@@ -77,7 +82,7 @@ async fn migrate_lists_then_applies_the_pending_migrations() {
     let url = db.url();
     let fresh = ok(cli(url, &["migrate", "--dry-run", "--schema", "cli_fresh"]));
     assert!(
-        fresh.starts_with("schema cli_fresh: would apply 3 migration(s)"),
+        fresh.starts_with("schema cli_fresh (plain layout): would apply 3 migration(s)"),
         "{fresh}"
     );
     let pool = db.pool(1).await;
@@ -94,7 +99,10 @@ async fn migrate_lists_then_applies_the_pending_migrations() {
     assert!(applied.contains("applying 3 migration(s)"), "{applied}");
     assert!(tables().await >= 4, "the crate's tables exist");
     let again = ok(cli(url, &["migrate", "--dry-run", "--schema", "cli_fresh"]));
-    assert_eq!(again.trim(), "schema cli_fresh: up to date (3 migrations)");
+    assert_eq!(
+        again.trim(),
+        "schema cli_fresh (plain layout): up to date (3 migrations)"
+    );
 }
 
 #[tokio::test]
@@ -819,4 +827,258 @@ async fn purge_refuses_bad_durations_policies_and_a_missing_mode() {
         "{shown}"
     );
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The `relkind` of `schema`'s inbox table: `p` partitioned, `r` plain.
+async fn relkind(pool: &PgPool, schema: &str) -> String {
+    sqlx::query_scalar(
+        "select c.relkind::text from pg_class c join pg_namespace n on n.oid = c.relnamespace
+         where n.nspname = $1 and c.relname = 'consumer_inbox'",
+    )
+    .bind(schema)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn migrate_creates_the_partitioned_layout_and_refuses_to_change_a_layout() {
+    let db = tower_inbox_testdb::TestDatabase::create()
+        .await
+        .expect("test database");
+    let url = db.url();
+    let pool = db.pool(1).await;
+    let part = ["--schema", "cli_part"];
+    let dry = ok(cli(
+        url,
+        &[
+            &["migrate", "--dry-run", "--layout", "partitioned"][..],
+            &part,
+        ]
+        .concat(),
+    ));
+    assert!(
+        dry.starts_with("schema cli_part (partitioned layout): would apply 4 migration(s)"),
+        "{dry}"
+    );
+    let applied = ok(cli(
+        url,
+        &[&["migrate", "--layout", "partitioned"][..], &part].concat(),
+    ));
+    assert!(applied.contains("applying 4 migration(s)"), "{applied}");
+    assert!(applied.contains("partitions: none yet"), "{applied}");
+    assert_eq!(relkind(&pool, "cli_part").await, "p");
+    // Without --layout, an existing schema is migrated in its own.
+    let again = ok(cli(url, &[&["migrate", "--dry-run"][..], &part].concat()));
+    assert_eq!(
+        again.trim(),
+        "schema cli_part (partitioned layout): up to date (4 migrations)"
+    );
+    // Another layout than the schema's is refused, in one line, either way round; the
+    // empty plain inbox is not converted.
+    ok(cli(url, &["migrate", "--schema", "cli_plain"]));
+    for (schema, asked, has) in [
+        ("cli_part", "plain", "partitioned"),
+        ("cli_plain", "partitioned", "plain"),
+    ] {
+        let refused = cli(url, &["migrate", "--layout", asked, "--schema", schema]);
+        assert_eq!(refused.status.code(), Some(1), "{}", stderr(&refused));
+        let message = stderr(&refused);
+        assert_eq!(message.lines().count(), 1, "{message}");
+        assert!(
+            message.contains(&format!("has the {has} layout, not {asked}")),
+            "{message}"
+        );
+    }
+    assert_eq!(relkind(&pool, "cli_plain").await, "r");
+    assert_eq!(relkind(&pool, "cli_part").await, "p");
+    // `grant` gives the purge what the schema's layout needs: the partition functions.
+    let printed = ok(cli(
+        url,
+        &[
+            "grant",
+            "someone",
+            "--purge",
+            "--dry-run",
+            "--layout",
+            "partitioned",
+        ],
+    ));
+    assert!(printed.contains("inbox_drop_partition"), "{printed}");
+    let role = db.login_role().await.unwrap();
+    let granted = ok(cli(
+        url,
+        &[&["grant", role.name(), "--purge"][..], &part].concat(),
+    ));
+    assert!(granted.contains("(partitioned layout)"), "{granted}");
+    let may_drop: bool = sqlx::query_scalar(
+        "select has_function_privilege($1, 'cli_part.inbox_drop_partition(text, timestamptz)', 'execute')",
+    )
+    .bind(role.name())
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(may_drop, "the purge's role may drop partitions");
+}
+
+/// Processed rows of consumer `cli-part` in schema `cli_part`, received and processed
+/// `days` ago (not processed when `processed` is false), as the owner.
+async fn partitioned_rows(app: &TestApp, prefix: &str, n: i32, days: i32, processed: bool) {
+    sqlx::query(
+        "insert into cli_part.consumer_inbox
+             (consumer_name, producer_name, message_id, payload_sha256, handler_version,
+              received_at, processed_at, response_status)
+         select 'cli-part', 'app', $1 || '-' || g, repeat('a', 64), 'v1', t,
+                case when $4 then t end, case when $4 then 200 end
+         from generate_series(1, $2) g, (select now() - make_interval(days => $3)) r(t)",
+    )
+    .bind(prefix)
+    .bind(n)
+    .bind(days)
+    .bind(processed)
+    .execute(&app.owner)
+    .await
+    .unwrap();
+}
+
+fn cli_part() -> Schema {
+    Schema::new("cli_part")
+        .unwrap()
+        .with_layout(Layout::Partitioned)
+}
+
+async fn cli_partitions(app: &TestApp) -> Vec<InboxPartition> {
+    partition::list(&app.owner, &cli_part()).await.unwrap()
+}
+
+#[tokio::test]
+async fn purge_drops_a_partitioned_inbox_partitions_and_status_shows_them() {
+    let app = TestApp::new().await;
+    let url = app.db.url();
+    let part = ["--schema", "cli_part"];
+    ok(cli(
+        url,
+        &[&["migrate", "--layout", "partitioned"][..], &part].concat(),
+    ));
+    // Partitions from ten days ago on, then rows in the oldest: three processed, one in
+    // flight (kept by the drop), and two young ones.
+    let ten_days_ago = OffsetDateTime::now_utc() - time::Duration::days(10);
+    PartitionPlan::default()
+        .create_since(&app.owner, &cli_part(), Some(ten_days_ago))
+        .await
+        .unwrap();
+    partitioned_rows(&app, "old", 3, 10, true).await;
+    partitioned_rows(&app, "stuck", 1, 10, false).await;
+    partitioned_rows(&app, "young", 2, 0, true).await;
+    let before = cli_partitions(&app).await;
+    let oldest = before
+        .iter()
+        .find(|p| p.from <= ten_days_ago && ten_days_ago < p.to)
+        .expect("the partition ten days ago")
+        .clone();
+
+    let status = json(cli(url, &[&["status", "--json"][..], &part].concat()));
+    assert_eq!(status["layout"], "partitioned", "{status}");
+    assert_eq!(status["partitions"]["count"], before.len(), "{status}");
+    assert_eq!(
+        status["partitions"]["oldest"]["name"], oldest.name,
+        "{status}"
+    );
+    assert_eq!(
+        status["partitions"]["newest"]["name"],
+        before.last().unwrap().name,
+        "{status}"
+    );
+    assert_eq!(status["partitions"]["covers_now"], true, "{status}");
+    let human = ok(cli(url, &[&["status"][..], &part].concat()));
+    assert!(
+        human.contains(&format!(
+            "Inbox partitions: {}, oldest {}",
+            before.len(),
+            oldest.name
+        )),
+        "{human}"
+    );
+    let plain = json(cli(url, &["status", "--json"]));
+    assert_eq!(plain["layout"], "plain");
+    assert!(plain.get("partitions").is_none(), "{plain}");
+
+    let dry = ok(cli(
+        url,
+        &[&["purge", "--dry-run"][..], &part, &WINDOW].concat(),
+    ));
+    assert!(dry.contains("partitions: 1d each, 2 ahead"), "{dry}");
+    assert!(
+        dry.contains("consumer_inbox: would delete 3 rows older than"),
+        "{dry}"
+    );
+    assert!(
+        dry.contains(&format!(
+            "would drop partition {} ({} to ",
+            oldest.name,
+            oldest
+                .from
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap()
+        )),
+        "{dry}"
+    );
+    assert!(
+        dry.contains("): 3 rows, keeping 1 (moved to the default partition)"),
+        "{dry}"
+    );
+    assert_eq!(
+        cli_partitions(&app).await,
+        before,
+        "a dry run drops nothing"
+    );
+
+    let done = ok(cli(
+        url,
+        &[
+            &["purge", "--yes", "--partitions-ahead", "4"][..],
+            &part,
+            &WINDOW,
+        ]
+        .concat(),
+    ));
+    assert!(
+        done.contains("consumer_inbox: deleted 3 rows older than"),
+        "{done}"
+    );
+    assert!(done.contains("partitions dropped: "), "{done}");
+    assert!(done.contains(&oldest.name), "{done}");
+    assert!(done.contains("partitions created: "), "{done}");
+    let after = cli_partitions(&app).await;
+    assert!(!after.contains(&oldest), "{after:?}");
+    assert!(
+        after.last().unwrap().to > before.last().unwrap().to,
+        "two more created ahead: {after:?}"
+    );
+    let left: Vec<(String, String)> = sqlx::query_as(
+        "select message_id, tableoid::regclass::text from cli_part.consumer_inbox
+         order by message_id",
+    )
+    .fetch_all(&app.owner)
+    .await
+    .unwrap();
+    let keys: Vec<&str> = left.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(keys, ["stuck-1", "young-1", "young-2"], "{left:?}");
+    assert_eq!(left[0].1, "cli_part.consumer_inbox_default", "{left:?}");
+
+    // Partition flags on a plain schema are a usage error.
+    let refused = cli(
+        url,
+        &[
+            &["purge", "--dry-run", "--partitions-created-elsewhere"][..],
+            &WINDOW,
+        ]
+        .concat(),
+    );
+    assert_eq!(refused.status.code(), Some(2), "{}", stderr(&refused));
+    assert!(
+        stderr(&refused).contains("is plain"),
+        "{}",
+        stderr(&refused)
+    );
 }

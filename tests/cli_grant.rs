@@ -73,7 +73,7 @@ async fn grant_gives_a_role_the_service_privileges_and_names_a_missing_role() {
     assert_eq!(
         text(&granted.stdout),
         format!(
-            "schema tower_inbox: granted the service privileges to {}\n",
+            "schema tower_inbox (plain layout): granted the service privileges to {}\n",
             role.name()
         )
     );

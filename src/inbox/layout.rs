@@ -78,11 +78,9 @@ pub(crate) async fn check_layout(inbox: &Inbox) -> Result<(), InboxError> {
         .fetch_optional(inbox.guarded())
         .await
         .map_err(InboxError::classify)?;
-    let found = match relkind.as_deref() {
-        Some("p") => Layout::Partitioned.as_str(),
-        Some(_) => Layout::Plain.as_str(),
-        None => "missing",
-    };
+    let found = relkind
+        .as_deref()
+        .map_or("missing", |kind| Layout::of_relkind(kind).as_str());
     if found == schema.layout().as_str() {
         return Ok(());
     }

@@ -130,3 +130,110 @@ impl PartitionPlan {
         Ok(u32::try_from(created).unwrap_or(0))
     }
 }
+
+impl Layout {
+    /// The layout `schema`'s `consumer_inbox` has in the database, whatever `schema` says
+    /// (`None` when the schema has no such table): an operator's tool builds its [`Schema`]
+    /// with it instead of asking.
+    ///
+    /// ```no_run
+    /// use tower_inbox::schema::{Layout, Schema};
+    ///
+    /// # async fn run(pool: sqlx::PgPool) -> Result<(), tower_inbox::inbox::InboxError> {
+    /// let schema = Schema::default();
+    /// let layout = Layout::detect(&pool, &schema).await?.unwrap_or_default();
+    /// let schema = schema.with_layout(layout);
+    /// # Ok(()) }
+    /// ```
+    pub async fn detect(pool: &PgPool, schema: &Schema) -> Result<Option<Self>, InboxError> {
+        let relkind: Option<String> = sqlx::query_scalar(crate::inbox::sql::RELKIND)
+            .bind(schema.name())
+            .fetch_optional(pool)
+            .await
+            .map_err(InboxError::classify)?;
+        Ok(relkind.map(|kind| Self::of_relkind(&kind)))
+    }
+
+    /// The layout of a `consumer_inbox` of `pg_class.relkind` `kind`: `p` is partitioned.
+    pub(crate) fn of_relkind(kind: &str) -> Self {
+        if kind == "p" {
+            Self::Partitioned
+        } else {
+            Self::Plain
+        }
+    }
+}
+
+/// One range partition of the inbox: its table's name and the times it takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboxPartition {
+    /// The partition's table, in the inbox's schema.
+    pub name: String,
+    /// The first `received_at` it takes.
+    pub from: OffsetDateTime,
+    /// The first `received_at` past it: the purge drops it once this is at or before its
+    /// cutoff.
+    pub to: OffsetDateTime,
+}
+
+/// What the purge's drop of one partition would do at a cutoff
+/// ([`InboxPartition::drop_preview`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DropPreview {
+    /// The rows dropped with it (what the batched purge would delete).
+    pub dropped: u64,
+    /// The rows it keeps (in flight, processed after the cutoff, a migration step, or an
+    /// open quarantine item's): moved into the default partition before the drop.
+    pub kept: u64,
+}
+
+/// The inbox's range partitions in `schema` (partitioned layout), oldest first; the default
+/// partition is not one. Read from the catalog: any role that can connect may list them,
+/// whoever created them (the purger, [`PartitionPlan::create`], or pg_partman).
+pub async fn list(pool: &PgPool, schema: &Schema) -> Result<Vec<InboxPartition>, InboxError> {
+    let rows: Vec<(String, OffsetDateTime, OffsetDateTime)> = sqlx::query_as(sql::LIST_PARTITIONS)
+        .bind(schema.name())
+        .fetch_all(pool)
+        .await
+        .map_err(InboxError::classify)?;
+    Ok(rows
+        .into_iter()
+        .map(|(name, from, to)| InboxPartition { name, from, to })
+        .collect())
+}
+
+impl InboxPartition {
+    /// Whether the purge with this `cutoff` drops it: its whole range ends at or before it.
+    pub fn expired_at(&self, cutoff: OffsetDateTime) -> bool {
+        self.to <= cutoff
+    }
+
+    /// Counts what the purge's drop of this partition would take and keep at `cutoff` (the
+    /// [`TablePurge::cutoff`](crate::retention::TablePurge::cutoff) of a dry run), reading
+    /// its rows through the inbox (the role needs SELECT on it); changes nothing.
+    pub async fn drop_preview(
+        &self,
+        pool: &PgPool,
+        schema: &Schema,
+        cutoff: OffsetDateTime,
+    ) -> Result<DropPreview, InboxError> {
+        let dropped: i64 = sqlx::query_scalar(&schema.sql(crate::retention::sql::PARTITION_COUNT))
+            .bind(cutoff)
+            .bind(self.from)
+            .bind(self.to)
+            .fetch_one(pool)
+            .await
+            .map_err(InboxError::classify)?;
+        let total: i64 = sqlx::query_scalar(&schema.sql(sql::RANGE_COUNT))
+            .bind(self.from)
+            .bind(self.to)
+            .fetch_one(pool)
+            .await
+            .map_err(InboxError::classify)?;
+        let count = |n: i64| u64::try_from(n).unwrap_or(0);
+        Ok(DropPreview {
+            dropped: count(dropped),
+            kept: count(total - dropped),
+        })
+    }
+}

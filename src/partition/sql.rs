@@ -17,3 +17,27 @@ where upper_bound <= $1 order by upper_bound";
 /// kept; the rows dropped and kept, or no row if it was not dropped.
 pub(crate) const DROP_PARTITION: &str =
     "select dropped, kept from tower_inbox.inbox_drop_partition($1, $2)";
+
+/// The inbox's range partitions in schema `$1`, oldest first: name, start and end, read
+/// from the catalog (as `inbox_partitions` does, but needing no EXECUTE grant: the
+/// operator's reads run as any role). The default partition has no bounds and is left out.
+pub(crate) const LIST_PARTITIONS: &str = r"
+select name, lower_bound, upper_bound from (
+    select c.relname::text as name,
+           pg_catalog.substring(pg_catalog.pg_get_expr(c.relpartbound, c.oid),
+                                'FROM \(''([^'']*)''\)')::timestamptz as lower_bound,
+           pg_catalog.substring(pg_catalog.pg_get_expr(c.relpartbound, c.oid),
+                                'TO \(''([^'']*)''\)')::timestamptz as upper_bound
+    from pg_catalog.pg_inherits h
+    join pg_catalog.pg_class c on c.oid = h.inhrelid
+    join pg_catalog.pg_class p on p.oid = h.inhparent
+    join pg_catalog.pg_namespace n on n.oid = p.relnamespace
+    where n.nspname = $1 and p.relname = 'consumer_inbox'
+) b
+where lower_bound is not null and upper_bound is not null
+order by lower_bound";
+
+/// The rows the inbox holds from `$1` to `$2` (one partition's range).
+pub(crate) const RANGE_COUNT: &str = "\
+select pg_catalog.count(*) from tower_inbox.consumer_inbox i \
+where i.received_at >= $1 and i.received_at < $2";

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
-use tower_inbox::schema::Schema;
+use tower_inbox::schema::{Layout, Schema};
 
 /// Why a command did not do what it was asked, and its exit code.
 #[derive(Debug)]
@@ -52,6 +52,32 @@ impl Database {
     pub fn failure(&self, what: &str, err: impl fmt::Display) -> Failure {
         self.target.failure(what, err)
     }
+
+    /// The layout of the schema's inbox in the database; `None` when it has none yet.
+    pub async fn detected_layout(&self) -> Result<Option<Layout>, Failure> {
+        Layout::detect(&self.pool, &self.schema)
+            .await
+            .map_err(|e| self.failure("reading the inbox's layout from", e))
+    }
+}
+
+/// A layout as the command line names it (`--layout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum LayoutArg {
+    /// One table each.
+    #[default]
+    Plain,
+    /// The inbox partitioned by time (README, "Partitioned inbox").
+    Partitioned,
+}
+
+impl From<LayoutArg> for Layout {
+    fn from(arg: LayoutArg) -> Self {
+        match arg {
+            LayoutArg::Plain => Self::Plain,
+            LayoutArg::Partitioned => Self::Partitioned,
+        }
+    }
 }
 
 /// The server as errors name it, and the password to keep out of them.
@@ -64,7 +90,8 @@ impl Target {
     /// One line naming the server, with the password taken out should the server or the
     /// driver ever echo it.
     fn failure(&self, what: &str, err: impl fmt::Display) -> Failure {
-        let mut message = format!("{what} {}: {err}", self.name);
+        // One line, whatever the server or a migration's exception put in its text.
+        let mut message = format!("{what} {}: {err}", self.name).replace('\n', " ");
         if let Some(password) = self.password.as_deref().filter(|p| !p.is_empty()) {
             for form in [password.to_owned(), url::percent_decoded(password)] {
                 message = message.replace(&form, "***");

@@ -1,8 +1,8 @@
 //! `grant ROLE [--purge] [--dry-run]`: the service role's privileges, printed or granted.
 
-use tower_inbox::schema::{grant_statements, Access, Schema};
+use tower_inbox::schema::{grant_statements, Access, Layout, Schema};
 
-use crate::database::{Database, Failure};
+use crate::database::{Database, Failure, LayoutArg};
 use crate::render;
 
 /// The arguments of `grant`.
@@ -16,12 +16,18 @@ pub struct Grant {
     /// Print the statements; connect to nothing, change nothing.
     #[arg(long)]
     pub dry_run: bool,
+    /// With --dry-run: the layout to print the statements for (without it, grant uses the
+    /// layout the schema has in the database).
+    #[arg(long, value_enum, default_value_t, requires = "dry_run")]
+    pub layout: LayoutArg,
 }
 
-/// The statements for `args` in `schema`, or a usage failure naming the bad argument.
-pub fn statements(args: &Grant, schema: &str) -> Result<Vec<String>, Failure> {
-    let schema =
-        Schema::new(schema).map_err(|e| Failure::Usage(format!("--schema {schema:?}: {e}")))?;
+/// The statements for `args` in `schema` of `layout`, or a usage failure naming the bad
+/// argument.
+pub fn statements(args: &Grant, schema: &str, layout: Layout) -> Result<Vec<String>, Failure> {
+    let schema = Schema::new(schema)
+        .map_err(|e| Failure::Usage(format!("--schema {schema:?}: {e}")))?
+        .with_layout(layout);
     let access = if args.purge {
         Access::ServiceAndPurge
     } else {
@@ -39,10 +45,11 @@ pub fn print(statements: &[String]) {
 
 /// Runs the statements in one transaction (all or none), as the connected role, which must
 /// own the tables or hold the privileges with the grant option.
-pub async fn run(db: &Database, args: &Grant, statements: &[String]) -> Result<(), Failure> {
+pub async fn run(db: &Database, args: &Grant) -> Result<(), Failure> {
+    let statements = statements(args, db.schema.name(), db.schema.layout())?;
     let fail = |e| db.failure(&format!("granting to {:?} on", args.role), e);
     let mut tx = db.pool.begin().await.map_err(fail)?;
-    for statement in statements {
+    for statement in &statements {
         sqlx::query(statement)
             .execute(&mut *tx)
             .await
@@ -55,8 +62,9 @@ pub async fn run(db: &Database, args: &Grant, statements: &[String]) -> Result<(
         "service"
     };
     render::line(format_args!(
-        "schema {}: granted the {what} privileges to {}",
+        "schema {} ({} layout): granted the {what} privileges to {}",
         db.schema.name(),
+        db.schema.layout().as_str(),
         args.role
     ));
     Ok(())

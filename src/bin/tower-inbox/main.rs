@@ -50,12 +50,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Applies the crate's migrations, or lists the pending ones with --dry-run.
-    Migrate {
-        /// List what would be applied; change nothing.
-        #[arg(long)]
-        dry_run: bool,
-    },
+    /// Applies the crate's migrations, or lists the pending ones with --dry-run; a new
+    /// schema gets the --layout asked for (plain unless told).
+    Migrate(migrate::Migrate),
     /// Per consumer, the outbox and the quarantine: what is there now.
     Status {
         /// JSON instead of tables (keys documented in the README).
@@ -108,28 +105,32 @@ async fn run(cli: Cli, origin: &'static str) -> Result<(), Failure> {
         Command::Inspect(args) => inspect::check(args)?,
         Command::Quarantine(command) => quarantine::check(command)?,
         Command::Outbox(command) => outbox::check(command)?,
-        Command::Migrate { .. } | Command::Status { .. } | Command::Grant(_) => {}
+        Command::Migrate(_) | Command::Status { .. } | Command::Grant(_) => {}
     }
     // A dry run of `grant` only prints: no database needed.
-    let grants = match &cli.command {
-        Command::Grant(args) => {
-            let statements = grant::statements(args, &cli.schema)?;
-            if args.dry_run {
-                grant::print(&statements);
-                return Ok(());
-            }
-            statements
+    if let Command::Grant(args) = &cli.command {
+        let statements = grant::statements(args, &cli.schema, args.layout.into())?;
+        if args.dry_run {
+            grant::print(&statements);
+            return Ok(());
         }
-        _ => Vec::new(),
-    };
-    let db = database::connect(cli.database_url.as_deref(), origin, &cli.schema).await?;
+    }
+    let mut db = database::connect(cli.database_url.as_deref(), origin, &cli.schema).await?;
+    // Every command but `migrate` (which creates the layout asked for) works with the layout
+    // the schema has: a purge of a partitioned inbox drops partitions, a grant gives what
+    // that layout needs.
+    if !matches!(cli.command, Command::Migrate(_)) {
+        if let Some(layout) = db.detected_layout().await? {
+            db.schema = db.schema.clone().with_layout(layout);
+        }
+    }
     match cli.command {
-        Command::Migrate { dry_run } => migrate::run(&db, dry_run).await,
+        Command::Migrate(args) => migrate::run(&db, args).await,
         Command::Status { json, watch } => status::run(&db, json, watch).await,
         Command::Inspect(args) => inspect::run(&db, args).await,
         Command::Quarantine(command) => quarantine::run(&db, command).await,
         Command::Outbox(command) => outbox::run(&db, command).await,
         Command::Purge(args) => purge::run(&db, args).await,
-        Command::Grant(args) => grant::run(&db, &args, &grants).await,
+        Command::Grant(args) => grant::run(&db, &args).await,
     }
 }

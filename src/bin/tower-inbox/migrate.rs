@@ -1,11 +1,26 @@
-//! `migrate [--dry-run]`: the crate's embedded migrations, applied or listed.
+//! `migrate [--layout plain|partitioned] [--dry-run]`: the crate's embedded migrations,
+//! applied or listed, for a new schema of the layout asked for or an existing one of its own.
 
 use std::collections::BTreeSet;
 
-use tower_inbox::schema::{migrate_schema, MIGRATOR};
+use sqlx::migrate::{MigrateError, Migrator};
+use tower_inbox::schema::{migrate_schema, Layout, MIGRATOR, PARTITIONED_MIGRATOR};
 
-use crate::database::{Database, Failure};
+use crate::database::{Database, Failure, LayoutArg};
 use crate::render;
+
+/// The arguments of `migrate`.
+#[derive(Debug, clap::Args)]
+pub struct Migrate {
+    /// List what would be applied; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// The layout of a new schema: `plain` (the default), or `partitioned` (the inbox
+    /// partitioned by time, for a very large inbox: see the README's "Partitioned inbox").
+    /// An existing schema keeps its own; naming another is refused.
+    #[arg(long, value_enum)]
+    layout: Option<LayoutArg>,
+}
 
 /// The versions recorded as applied in the schema (none when it has no migration table).
 async fn applied(db: &Database) -> Result<BTreeSet<i64>, Failure> {
@@ -26,13 +41,37 @@ async fn applied(db: &Database) -> Result<BTreeSet<i64>, Failure> {
     Ok(versions.into_iter().collect())
 }
 
-pub async fn run(db: &Database, dry_run: bool) -> Result<(), Failure> {
+/// The layout to migrate: the one asked for, which must be the schema's if it has one.
+async fn layout(db: &Database, asked: Option<LayoutArg>) -> Result<Layout, Failure> {
+    let found = db.detected_layout().await?;
+    match (asked.map(Layout::from), found) {
+        (Some(asked), Some(found)) if asked != found => Err(Failure::Refused(format!(
+            "schema {}: its inbox has the {} layout, not {}: an inbox's layout is not changed \
+             in place (migrate a new schema with --layout {} and move the rows, see \
+             docs/scaling.md), or run migrate --layout {} to bring this one up to date",
+            db.schema.name(),
+            found.as_str(),
+            asked.as_str(),
+            asked.as_str(),
+            found.as_str(),
+        ))),
+        (Some(layout), _) | (None, Some(layout)) => Ok(layout),
+        (None, None) => Ok(Layout::Plain),
+    }
+}
+
+pub async fn run(db: &Database, args: Migrate) -> Result<(), Failure> {
+    let layout = layout(db, args.layout).await?;
+    let migrator: &Migrator = match layout {
+        Layout::Plain => &MIGRATOR,
+        Layout::Partitioned => &PARTITIONED_MIGRATOR,
+    };
     let done = applied(db).await?;
-    let pending: Vec<_> = MIGRATOR
+    let pending: Vec<_> = migrator
         .iter()
         .filter(|m| m.migration_type.is_up_migration() && !done.contains(&m.version))
         .collect();
-    let schema = db.schema.name();
+    let schema = format!("{} ({} layout)", db.schema.name(), layout.as_str());
     if pending.is_empty() {
         render::line(format_args!(
             "schema {schema}: up to date ({} migrations)",
@@ -40,7 +79,11 @@ pub async fn run(db: &Database, dry_run: bool) -> Result<(), Failure> {
         ));
         return Ok(());
     }
-    let verb = if dry_run { "would apply" } else { "applying" };
+    let verb = if args.dry_run {
+        "would apply"
+    } else {
+        "applying"
+    };
     render::line(format_args!(
         "schema {schema}: {verb} {} migration(s)",
         pending.len()
@@ -48,12 +91,43 @@ pub async fn run(db: &Database, dry_run: bool) -> Result<(), Failure> {
     for m in &pending {
         render::line(format_args!("  {} {}", m.version, m.description));
     }
-    if dry_run {
+    if args.dry_run {
         return Ok(());
     }
-    migrate_schema(&db.pool, &db.schema)
+    migrate_schema(&db.pool, &db.schema.clone().with_layout(layout))
         .await
-        .map_err(|e| db.failure("migrating", e))?;
+        .map_err(|e| refusal(db, layout, &e).unwrap_or_else(|| db.failure("migrating", e)))?;
     render::line(format_args!("schema {schema}: up to date"));
+    if layout == Layout::Partitioned && done.is_empty() {
+        // Until partitions exist every claim lands in the default partition, which the
+        // purge cannot drop: say who creates them.
+        render::line(
+            "partitions: none yet; `tower-inbox purge --yes` creates them ahead (or \
+             PartitionPlan::create, or pg_partman: see docs/scaling.md)",
+        );
+    }
     Ok(())
+}
+
+/// The migrations' own refusals, as one line and exit 1: the schema was migrated with the
+/// other layout (a migration applied there is not one of this layout's), or the partitioned
+/// migration's exception (an inbox with rows).
+fn refusal(db: &Database, layout: Layout, err: &MigrateError) -> Option<Failure> {
+    let schema = db.schema.name();
+    match err {
+        MigrateError::VersionMissing(version) => Some(Failure::Refused(format!(
+            "schema {schema}: migration {version} applied there is not one of the {} \
+             layout's: the schema has the other layout",
+            layout.as_str()
+        ))),
+        MigrateError::ExecuteMigration(sqlx::Error::Database(raised), version)
+            if raised.code().as_deref() == Some("P0001") =>
+        {
+            Some(Failure::Refused(format!(
+                "schema {schema}: migration {version} refused: {}",
+                raised.message()
+            )))
+        }
+        _ => None,
+    }
 }

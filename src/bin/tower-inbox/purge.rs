@@ -10,7 +10,8 @@ use std::time::Duration;
 use clap::{ArgGroup, Args};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Deserialize;
-use tower_inbox::retention::{Purger, RetentionPolicy, RetentionPolicyBuilder};
+use tower_inbox::partition::{self, InboxPartition, Layout, PartitionPlan};
+use tower_inbox::retention::{PurgedTable, Purger, RetentionPolicy, RetentionPolicyBuilder};
 
 use crate::database::{Database, Failure};
 use crate::render;
@@ -43,6 +44,48 @@ pub struct Purge {
     /// The pause between full batches (the purger's default when not given).
     #[arg(long, value_name = "DURATION", value_parser = duration)]
     pause: Option<Duration>,
+    #[command(flatten)]
+    partitions: Partitions,
+}
+
+/// The partitioned layout's partitions: created ahead by the purge, or by something else.
+/// A plain schema refuses these flags.
+#[derive(Debug, Args)]
+struct Partitions {
+    /// Partitioned layout: each partition's range, whole minutes (default 1d). Partitions
+    /// are created ahead before the expired ones are dropped.
+    #[arg(long, value_name = "DURATION", value_parser = duration)]
+    partition_step: Option<Duration>,
+    /// Partitioned layout: how many partitions past the current one to keep created
+    /// (default 2).
+    #[arg(long, value_name = "N")]
+    partitions_ahead: Option<u32>,
+    /// Partitioned layout: create no partitions, pg_partman (or another tool) does; the
+    /// expired ones are still dropped, keeping what must be kept.
+    #[arg(long, conflicts_with_all = ["partition_step", "partitions_ahead"])]
+    partitions_created_elsewhere: bool,
+}
+
+impl Partitions {
+    fn any(&self) -> bool {
+        self.partition_step.is_some()
+            || self.partitions_ahead.is_some()
+            || self.partitions_created_elsewhere
+    }
+
+    /// The plan to create partitions by; `None` when they are created elsewhere.
+    fn plan(&self) -> Result<Option<PartitionPlan>, Failure> {
+        if self.partitions_created_elsewhere {
+            return Ok(None);
+        }
+        let default = PartitionPlan::default();
+        PartitionPlan::new(
+            self.partition_step.unwrap_or(default.step()),
+            self.partitions_ahead.unwrap_or(default.ahead()),
+        )
+        .map(Some)
+        .map_err(|e| Failure::Usage(format!("--partition-step/--partitions-ahead: {e}")))
+    }
 }
 
 /// The inbox's retention scenarios, as `RetentionPolicyBuilder` names them. Durations are
@@ -130,6 +173,23 @@ pub fn duration(text: &str) -> Result<Duration, String> {
         Ok(total)
     } else {
         Err(bad())
+    }
+}
+
+/// `d` as [`duration`] reads it: `1d`, `6h`, `1d 6h`, `90s` (whole seconds).
+fn written(d: Duration) -> String {
+    let mut left = d.as_secs();
+    let mut parts = Vec::new();
+    for (unit, secs) in [("d", 86_400), ("h", 3_600), ("m", 60), ("s", 1)] {
+        if left >= secs {
+            parts.push(format!("{}{unit}", left / secs));
+            left %= secs;
+        }
+    }
+    if parts.is_empty() {
+        "0s".to_owned()
+    } else {
+        parts.join(" ")
     }
 }
 
@@ -261,6 +321,7 @@ fn policies(args: &Purge) -> Result<Policies, Failure> {
 
 /// The usage errors `run` would find, without a database.
 pub fn check(args: &Purge) -> Result<(), Failure> {
+    args.partitions.plan()?;
     match policies(args)? {
         (None, None, None) => Err(Failure::Usage(
             "nothing to purge: give the inbox's scenarios, --outbox-window, --quarantine-window \
@@ -273,7 +334,19 @@ pub fn check(args: &Purge) -> Result<(), Failure> {
 
 pub async fn run(db: &Database, args: Purge) -> Result<(), Failure> {
     let (inbox, outbox, quarantine) = policies(&args)?;
+    let partitioned = db.schema.layout() == Layout::Partitioned;
+    if args.partitions.any() && !partitioned {
+        return Err(Failure::Usage(format!(
+            "--partition-step, --partitions-ahead and --partitions-created-elsewhere are for              the partitioned layout; schema {} is plain",
+            db.schema.name()
+        )));
+    }
+    let plan = args.partitions.plan()?;
     let mut builder = Purger::builder(db.pool.clone()).schema(db.schema.clone());
+    builder = match plan {
+        Some(plan) => builder.partitions(plan),
+        None => builder.partitions_created_elsewhere(),
+    };
     for (name, policy) in [
         ("inbox", &inbox),
         ("outbox", &outbox),
@@ -282,6 +355,21 @@ pub async fn run(db: &Database, args: Purge) -> Result<(), Failure> {
         if let Some(policy) = policy {
             render::line(format_args!("{name}: {}", policy.to_string().trim_end()));
         }
+    }
+    // The partitions matter to the inbox's purge only.
+    let partitioned = partitioned && inbox.is_some();
+    if partitioned {
+        render::line(match plan {
+            Some(plan) => format!(
+                "partitions: {} each, {} ahead, created by this purge; expired ones dropped \
+                 whole",
+                written(plan.step()),
+                plan.ahead()
+            ),
+            None => {
+                "partitions: created elsewhere (pg_partman); expired ones dropped whole".to_owned()
+            }
+        });
     }
     if let Some(policy) = inbox {
         builder = builder.inbox(policy);
@@ -308,9 +396,17 @@ pub async fn run(db: &Database, args: Purge) -> Result<(), Failure> {
             .dry_run()
             .await
             .map_err(|e| db.failure("counting what to purge in", e))?;
-        render::line(report);
+        render::line(&report);
+        if let (true, Some(inbox)) = (partitioned, report.table(PurgedTable::ConsumerInbox)) {
+            preview_drops(db, inbox.cutoff).await?;
+        }
         return Ok(());
     }
+    let before = if partitioned {
+        partitions(db).await?
+    } else {
+        Vec::new()
+    };
 
     let interrupted = Arc::new(AtomicBool::new(false));
     let watch = {
@@ -360,8 +456,61 @@ pub async fn run(db: &Database, args: Purge) -> Result<(), Failure> {
     }
     let report = report.map_err(|e| db.failure("purging", e))?;
     render::line(&report);
+    if partitioned {
+        let after = partitions(db).await?;
+        let missing = |from: &[InboxPartition], to: &[InboxPartition]| -> Vec<String> {
+            from.iter()
+                .filter(|p| !to.contains(p))
+                .map(|p| p.name.clone())
+                .collect()
+        };
+        for (verb, names) in [
+            ("dropped", missing(&before, &after)),
+            ("created", missing(&after, &before)),
+        ] {
+            if !names.is_empty() {
+                render::line(format_args!("partitions {verb}: {}", names.join(", ")));
+            }
+        }
+    }
     if report.stopped {
         return Err(Failure::Interrupted);
+    }
+    Ok(())
+}
+
+/// The inbox's range partitions.
+async fn partitions(db: &Database) -> Result<Vec<InboxPartition>, Failure> {
+    partition::list(&db.pool, &db.schema)
+        .await
+        .map_err(|e| db.failure("listing the inbox partitions in", e))
+}
+
+/// Per partition a purge at `cutoff` would drop: its range, and the rows the drop would take
+/// and keep.
+async fn preview_drops(db: &Database, cutoff: time::OffsetDateTime) -> Result<(), Failure> {
+    let expired: Vec<_> = partitions(db)
+        .await?
+        .into_iter()
+        .filter(|p| p.expired_at(cutoff))
+        .collect();
+    if expired.is_empty() {
+        render::line("  no partition to drop: none ends before the cutoff");
+    }
+    for p in expired {
+        let preview = p
+            .drop_preview(&db.pool, &db.schema, cutoff)
+            .await
+            .map_err(|e| db.failure("counting what to purge in", e))?;
+        render::line(format_args!(
+            "  would drop partition {} ({} to {}): {} rows, keeping {} (moved to the default \
+             partition)",
+            p.name,
+            render::rfc3339(p.from),
+            render::rfc3339(p.to),
+            preview.dropped,
+            preview.kept
+        ));
     }
     Ok(())
 }
@@ -381,5 +530,11 @@ mod tests {
         for bad in ["", "banana", "1", "1w", "d", "-1d", "99999999999d"] {
             assert!(duration(bad).is_err(), "{bad:?}");
         }
+        for text in ["1d", "6h", "1d 6h", "2d 3h 4m 5s", "90m"] {
+            let d = duration(text).unwrap();
+            assert_eq!(duration(&super::written(d)), Ok(d), "{text}");
+        }
+        assert_eq!(super::written(s(86_400)), "1d");
+        assert_eq!(super::written(s(5_400)), "1h 30m");
     }
 }

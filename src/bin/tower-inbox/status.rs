@@ -5,8 +5,10 @@ use std::io::IsTerminal;
 use std::time::Duration;
 
 use serde::Serialize;
+use time::OffsetDateTime;
 use tower_inbox::inbox::Inbox;
 use tower_inbox::metrics::StatsTask;
+use tower_inbox::partition::{self, InboxPartition, Layout};
 
 use crate::database::{Database, Failure};
 use crate::render::{self, age, table};
@@ -14,10 +16,49 @@ use crate::render::{self, age, table};
 /// What `status` reports; the JSON keys are these names (see the README).
 #[derive(Debug, Serialize)]
 pub struct Status {
+    /// The inbox's layout: `plain` or `partitioned`.
+    pub layout: &'static str,
+    /// The inbox's range partitions; absent with the plain layout.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub partitions: Option<PartitionsStatus>,
     pub consumers: Vec<ConsumerStatus>,
     pub in_flight: InFlight,
     pub outbox: OutboxStatus,
     pub quarantine: QuarantineStatus,
+}
+
+/// The partitioned layout's range partitions (the default partition is not one).
+#[derive(Debug, Serialize)]
+pub struct PartitionsStatus {
+    pub count: usize,
+    pub oldest: Option<PartitionRange>,
+    pub newest: Option<PartitionRange>,
+    /// Whether one covers now; if none does, claims land in the default partition.
+    pub covers_now: bool,
+}
+
+/// One partition: its table and its range, RFC 3339.
+#[derive(Debug, Serialize)]
+pub struct PartitionRange {
+    pub name: String,
+    pub from: String,
+    pub to: String,
+}
+
+impl From<&InboxPartition> for PartitionRange {
+    fn from(p: &InboxPartition) -> Self {
+        Self {
+            name: p.name.clone(),
+            from: render::rfc3339(p.from),
+            to: render::rfc3339(p.to),
+        }
+    }
+}
+
+impl std::fmt::Display for PartitionRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({} to {})", self.name, self.from, self.to)
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -128,7 +169,24 @@ async fn read(db: &Database) -> Result<Status, Failure> {
             oldest_in_progress_seconds: flight.oldest.as_secs_f64(),
         })
         .collect();
+    let partitions = match db.schema.layout() {
+        Layout::Plain => None,
+        Layout::Partitioned => {
+            let all = partition::list(&db.pool, &db.schema)
+                .await
+                .map_err(|e| db.failure("listing the inbox partitions in", e))?;
+            let now = OffsetDateTime::now_utc();
+            Some(PartitionsStatus {
+                count: all.len(),
+                oldest: all.first().map(PartitionRange::from),
+                newest: all.last().map(PartitionRange::from),
+                covers_now: all.iter().any(|p| p.from <= now && now < p.to),
+            })
+        }
+    };
     Ok(Status {
+        layout: db.schema.layout().as_str(),
+        partitions,
         consumers,
         in_flight: InFlight {
             claims: stats.claims_in_flight,
@@ -186,6 +244,16 @@ fn human(status: &Status) -> String {
             ],
             rows,
         ));
+        out.push('\n');
+    }
+    if let Some(partitions) = &status.partitions {
+        out.push_str(&format!("Inbox partitions: {}", partitions.count));
+        if let (Some(oldest), Some(newest)) = (&partitions.oldest, &partitions.newest) {
+            out.push_str(&format!(", oldest {oldest}, newest {newest}"));
+        }
+        if !partitions.covers_now {
+            out.push_str("; none covers now: claims land in the default partition");
+        }
         out.push('\n');
     }
     let flight = &status.in_flight;
