@@ -38,10 +38,14 @@ const SETUP: &[&str] = &[
     "create schema partman",
     "create extension pg_partman schema partman",
     "drop table pm_inbox.consumer_inbox_default",
+    // A template with the fill factor of our partitions (room for recording's HOT update):
+    // pg_partman gives its storage parameters to every partition it creates, the default
+    // one too.
+    "create table partman.template_pm_inbox_consumer_inbox (like pm_inbox.consumer_inbox) \
+         with (fillfactor = 80)",
     "select partman.create_parent('pm_inbox.consumer_inbox', 'received_at', 'native', 'daily', \
-         p_premake := 2, p_start_partition := (now() - interval '10 days')::text)",
-    // The fill factor our default partition had, for recording's HOT update.
-    "alter table pm_inbox.consumer_inbox_default set (fillfactor = 80)",
+         p_premake := 2, p_template_table := 'partman.template_pm_inbox_consumer_inbox', \
+         p_start_partition := (now() - interval '10 days')::text)",
     // Partitions ahead even through a quiet spell; no retention of pg_partman's own.
     "update partman.part_config set infinite_time_partitions = true, retention = null \
          where parent_table = 'pm_inbox.consumer_inbox'",
@@ -219,6 +223,15 @@ async fn pg_partman_creates_the_partitions_and_the_purge_drops_the_expired_ones(
         created.len() + 1,
         "pg_partman's partitions and its default one"
     );
+    let without_fillfactor: Vec<String> = sqlx::query_scalar(
+        "select c.relname::text from pg_inherits h join pg_class c on c.oid = h.inhrelid
+         where h.inhparent = 'pm_inbox.consumer_inbox'::regclass
+           and not coalesce('fillfactor=80' = any(c.reloptions), false)",
+    )
+    .fetch_all(&app.owner)
+    .await
+    .unwrap();
+    assert!(without_fillfactor.is_empty(), "{without_fillfactor:?}");
 
     // A claim lands in pg_partman's partition of today, not in the default one.
     let inbox = Inbox::new(app.pool.clone()).with_schema(schema());

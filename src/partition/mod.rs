@@ -29,11 +29,24 @@
 //!
 //! **Partitions** are created ahead by the purger ([`PartitionPlan`], one day, two ahead by
 //! default) or with [`PartitionPlan::create`]; a claim made while none covers its time lands
-//! in the default partition, which the next creation empties into the new partition. With
-//! pg_partman instead, let it create the partitions of `consumer_inbox` (`received_at`) and
-//! build the purger with
+//! in the default partition, which the next creation empties into the new partition.
+//! [`list`] reads the partitions, [`InboxPartition::drop_preview`] what a drop would take,
+//! and [`Layout::detect`] the layout a schema has in the database (the command line's
+//! `status` and `purge` use them).
+//!
+//! **pg_partman** (tested with 4.7.2, `tests/partman.rs`) can create the partitions instead.
+//! On the new, empty inbox, as its owner: drop the migration's default partition
+//! (pg_partman 4.x creates `consumer_inbox_default` itself and fails if it exists), create a
+//! template with `fillfactor = 80`, then
+//! `partman.create_parent('<schema>.consumer_inbox', 'received_at', 'native', 'daily',
+//! p_premake := 2, p_template_table := '<the template>')`, set `infinite_time_partitions =
+//! true` and leave `retention` null in `partman.part_config`, run
+//! `partman.run_maintenance`, and grant the roles after it (the default partition is a new
+//! table). Build the purger with
 //! [`partitions_created_elsewhere`](crate::retention::PurgerBuilder::partitions_created_elsewhere):
-//! the purger's drops keep what must be kept; see `docs/scaling.md`.
+//! its drops keep what must be kept (claims in flight, rows processed within the window,
+//! migration steps, open quarantine items' rows), which pg_partman's own retention would drop
+//! with their partition; so that stays off. The exact statements are in `docs/scaling.md`.
 
 pub(crate) mod sql;
 

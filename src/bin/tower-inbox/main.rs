@@ -28,7 +28,8 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use database::Failure;
 
 /// The operator's command line for tower-inbox: migrations, status, keys, the quarantine
-/// and the outbox.
+/// and the outbox. Every command but `migrate` works with the layout (plain or
+/// partitioned) the schema's inbox has in the database.
 #[derive(Debug, Parser)]
 #[command(name = "tower-inbox", version)]
 struct Cli {
@@ -71,7 +72,8 @@ enum Command {
     /// Outbox effects: list, show, retry a dead one.
     #[command(subcommand)]
     Outbox(outbox::Command),
-    /// The retention purge: what would go (--dry-run), or delete it (--yes).
+    /// The retention purge: what would go (--dry-run), or delete it (--yes); a partitioned
+    /// inbox's expired partitions are dropped whole.
     Purge(purge::Purge),
     /// Grants a role what the service needs (--purge: and the purge), nothing else; run as
     /// the tables' owner, or print the statements with --dry-run.

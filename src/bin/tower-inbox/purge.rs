@@ -1,4 +1,8 @@
-//! `purge --dry-run | --yes`: the retention purge, with the policy from flags or a file.
+//! `purge --dry-run | --yes`: the retention purge, with the policy from flags or a file, and
+//! with a partitioned inbox its partitions created ahead and the expired ones dropped.
+//!
+//! (Over 400 lines: the purge's flags, their policy file, and the runs they drive, which
+//! share those flags.)
 
 use std::io::IsTerminal;
 use std::ops::ControlFlow;
