@@ -90,6 +90,7 @@
 
 mod guard;
 mod policy;
+mod preview;
 mod purge;
 mod report;
 pub(crate) mod sql;
