@@ -55,6 +55,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
+use crate::connection::{Guarded, DEFAULT_STATEMENT_DEADLINE};
 use crate::inbox::InboxError;
 use crate::schema::Schema;
 
@@ -144,6 +145,12 @@ impl PartitionPlan {
     }
 }
 
+/// `pool` for the operator's reads: each statement within the crate's statement deadline,
+/// sent as `schema`'s [`Pooling`](crate::schema::Pooling) needs.
+pub(crate) fn guarded<'p>(pool: &'p PgPool, schema: &Schema) -> Guarded<'p> {
+    Guarded::new(pool, DEFAULT_STATEMENT_DEADLINE, schema.pooling())
+}
+
 impl Layout {
     /// The layout `schema`'s `consumer_inbox` has in the database, whatever `schema` says
     /// (`None` when the schema has no such table): an operator's tool builds its [`Schema`]
@@ -161,7 +168,7 @@ impl Layout {
     pub async fn detect(pool: &PgPool, schema: &Schema) -> Result<Option<Self>, InboxError> {
         let relkind: Option<String> = sqlx::query_scalar(crate::inbox::sql::RELKIND)
             .bind(schema.name())
-            .fetch_optional(pool)
+            .fetch_optional(guarded(pool, schema))
             .await
             .map_err(InboxError::classify)?;
         Ok(relkind.map(|kind| Self::of_relkind(&kind)))
@@ -204,11 +211,23 @@ pub struct DropPreview {
 /// partition is not one. Read from the catalog: any role that can connect may list them,
 /// whoever created them (the purger, [`PartitionPlan::create`], or pg_partman).
 pub async fn list(pool: &PgPool, schema: &Schema) -> Result<Vec<InboxPartition>, InboxError> {
-    let rows: Vec<(String, OffsetDateTime, OffsetDateTime)> = sqlx::query_as(sql::LIST_PARTITIONS)
-        .bind(schema.name())
-        .fetch_all(pool)
+    // The bounds are printed by pg_get_expr and read back in the session's DateStyle and
+    // TimeZone, which a pool's connections may have changed: ISO output carries the offset,
+    // so the value read back is the bound whatever the time zone.
+    let mut tx = guarded(pool, schema)
+        .begin("BEGIN")
         .await
         .map_err(InboxError::classify)?;
+    sqlx::query(sql::ISO_DATESTYLE)
+        .execute(&mut tx)
+        .await
+        .map_err(InboxError::classify)?;
+    let rows: Vec<(String, OffsetDateTime, OffsetDateTime)> = sqlx::query_as(sql::LIST_PARTITIONS)
+        .bind(schema.name())
+        .fetch_all(&mut tx)
+        .await
+        .map_err(InboxError::classify)?;
+    tx.rollback().await.map_err(InboxError::classify)?;
     Ok(rows
         .into_iter()
         .map(|(name, from, to)| InboxPartition { name, from, to })

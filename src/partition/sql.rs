@@ -37,6 +37,9 @@ select name, lower_bound, upper_bound from (
 where lower_bound is not null and upper_bound is not null
 order by lower_bound";
 
+/// For [`LIST_PARTITIONS`], in its own transaction: the bounds read back as printed.
+pub(crate) const ISO_DATESTYLE: &str = "set local datestyle to 'ISO, YMD'";
+
 /// The rows the inbox holds from `$1` to `$2` (one partition's range).
 pub(crate) const RANGE_COUNT: &str = "\
 select pg_catalog.count(*) from tower_inbox.consumer_inbox i \

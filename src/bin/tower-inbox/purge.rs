@@ -341,7 +341,8 @@ pub async fn run(db: &Database, args: Purge) -> Result<(), Failure> {
     let partitioned = db.schema.layout() == Layout::Partitioned;
     if args.partitions.any() && !partitioned {
         return Err(Failure::Usage(format!(
-            "--partition-step, --partitions-ahead and --partitions-created-elsewhere are for              the partitioned layout; schema {} is plain",
+            "--partition-step, --partitions-ahead and --partitions-created-elsewhere are for \
+             the partitioned layout; schema {} is plain",
             db.schema.name()
         )));
     }
