@@ -209,7 +209,8 @@ pub enum Layout {
     /// One table each (the default).
     #[default]
     Plain,
-    /// `consumer_inbox` partitioned by range of `received_at`; `READ COMMITTED` claims only.
+    /// `consumer_inbox` partitioned by range of `received_at` and `message_outbox` by range
+    /// of `created_at`; `READ COMMITTED` claims and enqueues only.
     Partitioned,
 }
 

@@ -858,21 +858,21 @@ async fn migrate_creates_the_partitioned_layout_and_refuses_to_change_a_layout()
         .concat(),
     ));
     assert!(
-        dry.starts_with("schema cli_part (partitioned layout): would apply 4 migration(s)"),
+        dry.starts_with("schema cli_part (partitioned layout): would apply 5 migration(s)"),
         "{dry}"
     );
     let applied = ok(cli(
         url,
         &[&["migrate", "--layout", "partitioned"][..], &part].concat(),
     ));
-    assert!(applied.contains("applying 4 migration(s)"), "{applied}");
+    assert!(applied.contains("applying 5 migration(s)"), "{applied}");
     assert!(applied.contains("partitions: none yet"), "{applied}");
     assert_eq!(relkind(&pool, "cli_part").await, "p");
     // Without --layout, an existing schema is migrated in its own.
     let again = ok(cli(url, &[&["migrate", "--dry-run"][..], &part].concat()));
     assert_eq!(
         again.trim(),
-        "schema cli_part (partitioned layout): up to date (4 migrations)"
+        "schema cli_part (partitioned layout): up to date (5 migrations)"
     );
     // Another layout than the schema's is refused, in one line, either way round; the
     // empty plain inbox is not converted.

@@ -11,7 +11,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::Router;
-use common::{credit, send, TestApp};
+use common::{credit, send, until, TestApp};
 use tower_inbox::outbox::{
     enqueue, Delivery, Dispatcher, Effect, EffectId, EffectStatus, HttpTransport, Outbox,
     OutboxEntry, OutboxMessage, Transport,
@@ -442,16 +442,6 @@ async fn the_credits_example_enqueues_one_webhook_per_command() {
     assert_eq!(receiver.calls(), 1);
     let _ = stop.send(());
     running.await.unwrap().unwrap();
-}
-
-async fn until(mut done: impl FnMut() -> bool) {
-    for _ in 0..400 {
-        if done() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(25)).await;
-    }
-    panic!("condition not reached in 10 s");
 }
 
 #[tokio::test]

@@ -17,7 +17,7 @@ use tower_inbox::inbox::{
 use tower_inbox::middleware::ConfigError;
 use tower_inbox::partition::{LayoutError, PartitionPlan};
 use tower_inbox::retention::{PurgedTable, Purger, PurgerBuilder, RetentionPolicy};
-use tower_inbox::schema::{grant_statements, migrate_schema, Access, Layout, Schema};
+use tower_inbox::schema::{migrate_schema, Access, Layout, Schema};
 use tower_inbox::{MessageIdentity, MessageKey, Producer};
 
 use common::{credit, gated_router, send, spawn_send, wait_until_a_lock_is_awaited, TestApp};
@@ -85,12 +85,7 @@ async fn refused(inbox: Inbox) -> InboxError {
 
 /// Runs the grants `access` needs in the partitioned schema for `role`, as the owner.
 async fn grant(app: &TestApp, role: &str, access: Access) {
-    for grant in grant_statements(&schema(), role, access).unwrap() {
-        sqlx::query(&grant)
-            .execute(&app.owner)
-            .await
-            .unwrap_or_else(|e| panic!("{grant}: {e}"));
-    }
+    common::grant_in(&app.owner, &schema(), role, access).await;
 }
 
 fn response() -> RecordedResponse {
@@ -467,7 +462,8 @@ async fn partitions_are_created_ahead_and_claims_without_one_land_in_the_default
     let message = claimed(&inbox, "early", b"x").await;
     message.commit(Some(&response())).await.unwrap();
     let plan = PartitionPlan::new(Duration::from_secs(3600), 3).unwrap();
-    assert_eq!(plan.create(&app.pool, &schema()).await.unwrap(), 4);
+    // Four of the inbox's and four of the outbox's.
+    assert_eq!(plan.create(&app.pool, &schema()).await.unwrap(), 8);
     assert_eq!(plan.create(&app.pool, &schema()).await.unwrap(), 0);
     assert_eq!(partitions(&app).await.len(), 5);
     // The early row moved into the partition created for its time.
@@ -676,20 +672,7 @@ async fn expected_inputs_leave_the_server_log_quiet() {
     assert_eq!(report.rows(PurgedTable::ConsumerInbox), 1, "{report}");
     assert_eq!(app.balance("a2").await, Some(3));
 
-    let log = cluster.log_since(mark).expect("server log");
-    let problems: Vec<&str> = log
-        .lines()
-        .filter(|line| {
-            ["ERROR:", "WARNING:", "FATAL:", "PANIC:"]
-                .iter()
-                .any(|s| line.contains(s))
-        })
-        .collect();
-    assert!(
-        problems.is_empty(),
-        "{}\n--- log:\n{log}",
-        problems.join("\n")
-    );
+    common::assert_log_quiet(&cluster, mark);
 }
 
 /// The guard works on the partitioned layout: once the purge dropped a message's partition, a

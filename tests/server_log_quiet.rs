@@ -22,21 +22,10 @@ use tower_inbox_testdb::{Cluster, LogMark};
 
 const DAY: Duration = Duration::from_secs(24 * 3600);
 
-/// The lines of a server log at WARNING or above.
-fn problems(log: &str) -> Vec<&str> {
-    log.lines()
-        .filter(|line| {
-            ["ERROR:", "WARNING:", "FATAL:", "PANIC:"]
-                .iter()
-                .any(|severity| line.contains(severity))
-        })
-        .collect()
-}
-
 /// The log since `mark` has no problem line; returns a mark for the next section.
 fn assert_quiet(cluster: &Cluster, mark: LogMark, section: &str) -> LogMark {
     let log = cluster.log_since(mark).expect("server log");
-    let problems = problems(&log);
+    let problems = common::log_problems(&log);
     assert!(
         problems.is_empty(),
         "{section}: the server logged {} problem line(s):\n{}\n--- the log since the section \
@@ -242,7 +231,7 @@ async fn expected_inputs_leave_no_error_or_warning_in_the_server_log() {
         .expect_err("division by zero");
     assert!(err.to_string().contains("division by zero"), "{err}");
     let log = cluster.log_since(mark).expect("server log");
-    let problems = problems(&log);
+    let problems = common::log_problems(&log);
     assert!(
         problems
             .iter()

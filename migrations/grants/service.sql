@@ -13,9 +13,10 @@
 --
 -- Not needed, so not granted: the quarantine's identity sequence (an identity column draws
 -- from it without a privilege check); EXECUTE on the outbox's trigger function (a trigger
--- runs its function whoever fires it); LISTEN and pg_notify (no privilege exists); the
--- advisory lock functions, pg_locks, pg_stat_activity and pg_stats (PUBLIC has them; see
--- the README for pg_read_all_stats).
+-- runs its function whoever fires it); EXECUTE on the partitioned layout's outbox_enqueue
+-- (SECURITY INVOKER, left to PUBLIC: it does only what its caller may); LISTEN and
+-- pg_notify (no privilege exists); the advisory lock functions, pg_locks, pg_stat_activity
+-- and pg_stats (PUBLIC has them; see the README for pg_read_all_stats).
 grant usage on schema {schema} to {role};
 grant select, insert, update
     on {schema}.consumer_inbox, {schema}.consumer_inbox_failure,

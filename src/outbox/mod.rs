@@ -83,10 +83,10 @@ use std::fmt;
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
-use sqlx::{Executor, PgPool, Postgres};
+use sqlx::{Executor, PgPool, Postgres, Row};
 
 use crate::identity::MessageIdentity;
-use crate::schema::Schema;
+use crate::schema::{Layout, Schema};
 
 #[cfg(feature = "amqp")]
 pub use amqp::AmqpTransport;
@@ -263,8 +263,8 @@ async fn insert<'c>(
 ) -> Result<Enqueued, sqlx::Error> {
     let names: Vec<&str> = message.headers.iter().map(|(n, _)| n.as_str()).collect();
     let values: Vec<&str> = message.headers.iter().map(|(_, v)| v.as_str()).collect();
-    let sql = schema.sql(sql::ENQUEUE);
-    let result = sqlx::query(&sql)
+    let sql = schema.sql_for(sql::ENQUEUE, sql::ENQUEUE_PARTITIONED);
+    let query = sqlx::query(&sql)
         .bind(effect_id.as_str())
         .bind(effect_name)
         .bind(identity.map(|i| i.consumer().as_bytes()))
@@ -274,12 +274,14 @@ async fn insert<'c>(
         .bind(&message.destination)
         .bind(&message.payload[..])
         .bind(names)
-        .bind(values)
-        .execute(conn)
-        .await?;
+        .bind(values);
+    let inserted = match schema.layout() {
+        Layout::Plain => query.execute(conn).await?.rows_affected() == 1,
+        Layout::Partitioned => query.fetch_one(conn).await?.try_get(0)?,
+    };
     Ok(Enqueued {
         effect_id: effect_id.clone(),
-        inserted: result.rows_affected() == 1,
+        inserted,
     })
 }
 
@@ -301,6 +303,13 @@ pub struct Effect {
 }
 
 /// The outbox in one schema: writes effects, reads them back.
+///
+/// With the [partitioned layout](crate::partition) (a [`Schema`] with
+/// [`Layout::Partitioned`]), an enqueue takes an advisory lock on the effect ID until its
+/// transaction ends, then writes the effect unless a row of the ID exists in any partition;
+/// a second enqueue of the ID waits for the first's transaction. It must run at `READ
+/// COMMITTED`: in a transaction of the caller's own at `REPEATABLE READ` or `SERIALIZABLE`
+/// it fails with [`OutboxError::Database`] (SQLSTATE `0A000`) and writes nothing.
 #[derive(Debug, Clone)]
 pub struct Outbox {
     pool: PgPool,

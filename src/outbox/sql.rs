@@ -18,6 +18,22 @@ pub(crate) const ENQUEUE: &str = concat!(
      on conflict (effect_id) do nothing"
 );
 
+/// [`ENQUEUE`] for the partitioned layout: its primary key includes `created_at`, so
+/// `on conflict (effect_id)` has no unique index to meet. `outbox_enqueue`
+/// (`migrations/partitioned/`) takes the effect ID's advisory lock in a statement of its own,
+/// then inserts only if no row of the ID is in any partition, with a snapshot taken after
+/// the lock; it refuses isolation levels above `READ COMMITTED`. One statement from here,
+/// so it runs on any executor, a pool included. Returns whether it inserted.
+pub(crate) const ENQUEUE_PARTITIONED: &str = concat!(
+    "select tower_inbox.outbox_enqueue($1, $2, ",
+    utf8!("$3"),
+    ", ",
+    utf8!("$4"),
+    ", ",
+    utf8!("$5"),
+    ", $6, $7, $8, $9, $10)"
+);
+
 /// Leases up to `$1` due rows for `$2` for `$3` seconds in one short statement. The lease
 /// deadline is also the next attempt time, so a lease left by a dead dispatcher simply makes
 /// the row due again when it expires. No attempt is counted yet: [`START`] counts each one

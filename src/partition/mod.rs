@@ -1,12 +1,14 @@
-//! The partitioned layout: the inbox partitioned by time, so the purge drops a whole
-//! partition instead of deleting its rows in batches.
+//! The partitioned layout: the inbox and the outbox partitioned by time, so the purge drops
+//! a whole partition instead of deleting its rows in batches.
 //!
 //! Opt in with [`Layout::Partitioned`] on the [`Schema`] given to
 //! [`migrate_schema`](crate::schema::migrate_schema), the layer (or
-//! [`Inbox`](crate::inbox::Inbox), or the consumer) and the
+//! [`Inbox`](crate::inbox::Inbox), or the consumer), the [`Outbox`](crate::outbox::Outbox),
+//! the [`Dispatcher`](crate::outbox::Dispatcher) and the
 //! [`Purger`](crate::retention::Purger). `consumer_inbox` is then partitioned by range of
-//! `received_at` (`migrations/partitioned/`), with a default partition as a safety net; the
-//! outbox, the failure records and the quarantine stay as they are.
+//! `received_at` and `message_outbox` by range of `created_at` (`migrations/partitioned/`),
+//! each with a default partition as a safety net; the failure records and the quarantine
+//! stay as they are.
 //!
 //! **What keeps one row per identity.** A unique key of a partitioned table must include the
 //! partition column, so the primary key (now with `received_at`) no longer catches a
@@ -21,20 +23,41 @@
 //! those isolation levels** with this layout ([`LayoutError::Isolation`]), and the first
 //! claim refuses a database whose table has the other layout ([`LayoutError::Mismatch`]).
 //!
-//! **Lookups** by identity (the duplicate's read, the claim's check, the failure record's
-//! guard, the operator's reads) probe each partition's primary key: their cost grows with
-//! the number of partitions, so keep them to tens (the window divided by the partition
-//! step, plus the ones created ahead). The record step names the partition
-//! (`received_at = now()`, the claim's own time), so it touches one.
+//! **One row per effect** is kept the same way. The outbox's primary key is now
+//! `(effect_id, created_at)`, so the enqueue cannot rely on `on conflict (effect_id)`: it
+//! calls `outbox_enqueue`, which takes an advisory lock on the effect ID (a hash of the
+//! schema and the ID, in the one-`bigint` key space, apart from the claim locks' two-`int4`
+//! one) in a statement of its own, then inserts only if no row of the ID is in any
+//! partition. A second enqueue of the ID waits for the first's transaction, then finds its
+//! row (or, after a rollback, inserts). An enqueue may run in a transaction of the
+//! caller's own ([`Outbox::enqueue`](crate::outbox::Outbox::enqueue) takes any executor),
+//! so the function itself refuses `REPEATABLE READ` and `SERIALIZABLE`: the enqueue fails
+//! with [`OutboxError::Database`](crate::outbox::OutboxError::Database), SQLSTATE `0A000`.
 //!
-//! **Partitions** are created ahead by the purger ([`PartitionPlan`], one day, two ahead by
-//! default) or with [`PartitionPlan::create`]; a claim made while none covers its time lands
-//! in the default partition, which the next creation empties into the new partition.
-//! [`list`] reads the partitions, [`InboxPartition::drop_preview`] what a drop would take,
-//! and [`Layout::detect`] the layout a schema has in the database (the command line's
+//! **Lookups** by identity (the duplicate's read, the claim's check, the failure record's
+//! guard, the operator's reads) and by effect ID (the enqueue's check; the dispatcher's
+//! lease, start, delivery, retry and dead letter; the quarantine's repair; `outbox show`)
+//! probe each partition's primary key: their cost grows with the number of partitions, so
+//! keep them to tens (the window divided by the partition step, plus the ones created
+//! ahead). The inbox's record step names the partition (`received_at = now()`, the claim's
+//! own time), so it touches one; the dispatcher's updates do not carry `created_at` yet.
+//!
+//! **Partitions** of both tables are created ahead by the purger ([`PartitionPlan`], one
+//! day, two ahead by default) or with [`PartitionPlan::create`]; a claim or an enqueue made
+//! while none covers its time lands in the default partition, which the next creation
+//! empties into the new partition. The purge drops a partition whose whole range is past
+//! its table's window, after moving into the default partition the rows it must keep: for
+//! the inbox, those the batched purge keeps (in flight, processed within the window, a
+//! migration step, an open quarantine item's); for the outbox, every effect not delivered
+//! before the cutoff (pending, dead and not discarded before it) and every one delivered
+//! after it. The default partitions are then purged in batches like the plain tables.
+//! [`list`] reads the inbox's partitions, [`InboxPartition::drop_preview`] what a drop would
+//! take, and [`Layout::detect`] the layout a schema has in the database (the command line's
 //! `status` and `purge` use them).
 //!
-//! **pg_partman** (tested with 4.7.2, `tests/partman.rs`) can create the partitions instead.
+//! **pg_partman** (tested with 4.7.2 on the inbox, `tests/partman.rs`; the outbox's
+//! `message_outbox` by `created_at` is set up the same way, untested) can create the
+//! partitions instead.
 //! On the new, empty inbox, as its owner: drop the migration's default partition
 //! (pg_partman 4.x creates `consumer_inbox_default` itself and fails if it exists), create a
 //! template with `fillfactor = 80`, then
@@ -117,10 +140,12 @@ impl PartitionPlan {
         self.ahead
     }
 
-    /// Creates the missing partitions of this plan in `schema` (partitioned layout), as the
-    /// tables' owner through `inbox_create_partitions` (the role needs
-    /// [`Access::ServiceAndPurge`](crate::schema::Access)); how many it created. None are
-    /// created while another session is creating or dropping partitions: it is doing this.
+    /// Creates the missing partitions of this plan in `schema` (partitioned layout), of the
+    /// inbox and of the outbox, as the tables' owner through `inbox_create_partitions` and
+    /// `outbox_create_partitions` (the role needs
+    /// [`Access::ServiceAndPurge`](crate::schema::Access)); how many it created, of both.
+    /// None are created while another session is creating or dropping partitions: it is
+    /// doing this.
     pub async fn create(&self, pool: &PgPool, schema: &Schema) -> Result<u32, InboxError> {
         self.create_since(pool, schema, None).await
     }

@@ -23,6 +23,8 @@ use crate::partition::{Layout, PartitionPlan};
 
 mod partitions;
 
+use partitions::Partitioned;
+
 /// One set of purgeable rows: its dry-run count and its batch delete, built from one
 /// predicate in `sql.rs`.
 #[derive(Debug, Clone, Copy)]
@@ -60,6 +62,18 @@ const OUTBOX: &[Statement] = &[
     Statement {
         count: sql::DISCARDED_COUNT,
         delete: sql::DISCARDED_DELETE,
+    },
+];
+/// The partitioned layout's outbox in batches: its default partition (the others are
+/// dropped whole).
+const OUTBOX_DEFAULT_PARTITION: &[Statement] = &[
+    Statement {
+        count: sql::DEFAULT_DELIVERED_COUNT,
+        delete: sql::DEFAULT_DELIVERED_DELETE,
+    },
+    Statement {
+        count: sql::DEFAULT_DISCARDED_COUNT,
+        delete: sql::DEFAULT_DISCARDED_DELETE,
     },
 ];
 const QUARANTINE: &[Statement] = &[Statement {
@@ -282,7 +296,10 @@ impl PurgerBuilder {
             targets.push(Target {
                 table: PurgedTable::MessageOutbox,
                 window,
-                statements: OUTBOX,
+                statements: match self.schema.layout() {
+                    Layout::Plain => OUTBOX,
+                    Layout::Partitioned => OUTBOX_DEFAULT_PARTITION,
+                },
             });
         }
         if let Some(window) = self.quarantine {
@@ -454,10 +471,13 @@ impl Purger {
             rows: 0,
             batches: 0,
         };
-        if target.table == PurgedTable::ConsumerInbox && self.schema.layout() == Layout::Partitioned
-        {
+        let partitioned = match self.schema.layout() {
+            Layout::Plain => None,
+            Layout::Partitioned => Partitioned::of(target.table),
+        };
+        if let Some(table) = partitioned {
             let flow = self
-                .drop_partitions(cutoff, dry_run, &mut purged, observe)
+                .drop_partitions(table, cutoff, dry_run, &mut purged, observe)
                 .await
                 .map_err(|e| (e, purged.rows))?;
             if flow.is_break() {

@@ -80,27 +80,41 @@ macro_rules! failures_expired {
     };
 }
 
-/// Effects delivered before the cutoff.
+/// Effects delivered before the cutoff (in `$table`, the outbox unless named).
 macro_rules! delivered_expired {
     () => {
-        "from tower_inbox.message_outbox o \
-         where o.status = 'delivered' and o.delivered_at < $1"
+        delivered_expired!("message_outbox")
+    };
+    ($table:literal) => {
+        concat!(
+            "from tower_inbox.",
+            $table,
+            " o \
+             where o.status = 'delivered' and o.delivered_at < $1"
+        )
     };
 }
 
 /// Dead effects whose quarantine item was discarded before the cutoff, and that have no
-/// open item (a dead effect reopened since).
+/// open item (a dead effect reopened since); in `$table`, the outbox unless named.
 macro_rules! discarded_expired {
     () => {
-        "from tower_inbox.message_outbox o \
-         where o.status = 'dead' \
-           and exists ( \
-               select 1 from tower_inbox.inbox_quarantine q \
-               where q.effect_id = o.effect_id and q.source = 'dead-effect' \
-                 and q.decision = 'discard' and q.decided_at < $1) \
-           and not exists ( \
-               select 1 from tower_inbox.inbox_quarantine q \
-               where q.effect_id = o.effect_id and q.decision is null)"
+        discarded_expired!("message_outbox")
+    };
+    ($table:literal) => {
+        concat!(
+            "from tower_inbox.",
+            $table,
+            " o \
+             where o.status = 'dead' \
+               and exists ( \
+                   select 1 from tower_inbox.inbox_quarantine q \
+                   where q.effect_id = o.effect_id and q.source = 'dead-effect' \
+                     and q.decision = 'discard' and q.decided_at < $1) \
+               and not exists ( \
+                   select 1 from tower_inbox.inbox_quarantine q \
+                   where q.effect_id = o.effect_id and q.decision is null)"
+        )
     };
 }
 
@@ -205,6 +219,39 @@ purgeable!(
     DISCARDED_COUNT, DISCARDED_DELETE: "message_outbox" as "o",
     rows discarded_expired, oldest "effect_id"
 );
+/// The partitioned layout's rows in the outbox's default partition that the purge deletes
+/// in batches (what a partition drop kept, and effects enqueued while no partition covered
+/// their time): the two sets above on that partition. The other partitions are dropped whole.
+macro_rules! default_partition_delivered {
+    () => {
+        delivered_expired!("message_outbox_default")
+    };
+}
+macro_rules! default_partition_discarded {
+    () => {
+        discarded_expired!("message_outbox_default")
+    };
+}
+purgeable!(
+    DEFAULT_DELIVERED_COUNT, DEFAULT_DELIVERED_DELETE: "message_outbox_default" as "o",
+    rows default_partition_delivered, oldest "delivered_at"
+);
+purgeable!(
+    DEFAULT_DISCARDED_COUNT, DEFAULT_DISCARDED_DELETE: "message_outbox_default" as "o",
+    rows default_partition_discarded, oldest "effect_id"
+);
+
+/// The rows of one outbox partition (`$2` to `$3`) a drop would take: both sets, which no
+/// row is in twice (one is delivered, the other dead), within its range, for the dry run.
+pub(crate) const OUTBOX_PARTITION_COUNT: &str = concat!(
+    "select (select pg_catalog.count(*) ",
+    delivered_expired!(),
+    " and o.created_at >= $2 and o.created_at < $3) \
+          + (select pg_catalog.count(*) ",
+    discarded_expired!(),
+    " and o.created_at >= $2 and o.created_at < $3)"
+);
+
 purgeable!(
     DECIDED_COUNT, DECIDED_DELETE: "inbox_quarantine" as "q",
     rows decided_expired, oldest "decided_at"

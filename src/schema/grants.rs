@@ -39,7 +39,8 @@ pub struct RoleError(String);
 /// string, to run as the owner of the schema's tables after the migrations (again after an
 /// upgrade whose migrations add a table). With the [partitioned layout](Layout::Partitioned),
 /// the purge's also grant `EXECUTE` on its partition functions and its rights on the
-/// default partition; the service needs nothing more.
+/// default partitions; the service needs nothing more (the outbox's enqueue function runs
+/// with its caller's rights, and PUBLIC may call it).
 ///
 /// `role` is the name as PostgreSQL stores it (an unquoted `CREATE ROLE App` is `app`); it is
 /// quoted in the statements, so any name is safe to pass. Nothing is granted on
@@ -125,10 +126,14 @@ mod tests {
             grant_statements(&Schema::default(), "app", Access::Service).unwrap()
         );
         let purge = grant_statements(&schema, "app", Access::ServiceAndPurge).unwrap();
-        assert!(purge.iter().any(|g| g.contains("inbox_drop_partition")));
-        assert!(purge
-            .iter()
-            .any(|g| g.contains(r#""tower_inbox".consumer_inbox_default"#)));
+        for granted in [
+            "inbox_drop_partition",
+            "outbox_drop_partition",
+            r#""tower_inbox".consumer_inbox_default"#,
+            r#""tower_inbox".message_outbox_default"#,
+        ] {
+            assert!(purge.iter().any(|g| g.contains(granted)), "{granted}");
+        }
     }
 
     #[test]

@@ -238,6 +238,16 @@ pub async fn grant_service(owner: &PgPool, role: &str) {
     }
 }
 
+/// Runs the grants `access` needs in `schema` for `role`, as the owner.
+pub async fn grant_in(owner: &PgPool, schema: &Schema, role: &str, access: Access) {
+    for grant in grant_statements(schema, role, access).expect("grant statements") {
+        sqlx::query(&grant)
+            .execute(owner)
+            .await
+            .unwrap_or_else(|e| panic!("{grant}: {e}"));
+    }
+}
+
 /// A private cluster whose log holds every warning and error with the statement that raised
 /// it, and no statement parameters: `log_min_messages=warning`, `log_min_error_statement=error`
 /// and `log_parameter_max_length_on_error=0` (the last two are the defaults, made explicit).
@@ -249,6 +259,39 @@ pub async fn logging_cluster() -> Cluster {
         .start()
         .await
         .expect("private cluster")
+}
+
+/// The lines of a server log at WARNING or above.
+pub fn log_problems(log: &str) -> Vec<&str> {
+    log.lines()
+        .filter(|line| {
+            ["ERROR:", "WARNING:", "FATAL:", "PANIC:"]
+                .iter()
+                .any(|severity| line.contains(severity))
+        })
+        .collect()
+}
+
+/// The log of `cluster` since `mark` has no line at WARNING or above.
+pub fn assert_log_quiet(cluster: &Cluster, mark: tower_inbox_testdb::LogMark) {
+    let log = cluster.log_since(mark).expect("server log");
+    let problems = log_problems(&log);
+    assert!(
+        problems.is_empty(),
+        "{}\n--- log:\n{log}",
+        problems.join("\n")
+    );
+}
+
+/// Waits (bounded, 10 s) until `done`.
+pub async fn until(mut done: impl FnMut() -> bool) {
+    for _ in 0..400 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("condition not reached in 10 s");
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

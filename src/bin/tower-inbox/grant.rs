@@ -16,8 +16,9 @@ pub struct Grant {
     /// Print the statements; connect to nothing, change nothing.
     #[arg(long)]
     pub dry_run: bool,
-    /// With --dry-run: the layout to print the statements for (without it, grant uses the
-    /// layout the schema has in the database).
+    /// With --dry-run, which connects to no database: the layout to print the statements
+    /// for, plain unless given (a grant without --dry-run uses the layout the schema has in
+    /// the database).
     #[arg(long, value_enum, default_value_t, requires = "dry_run")]
     pub layout: LayoutArg,
 }

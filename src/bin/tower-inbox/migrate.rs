@@ -102,8 +102,9 @@ pub async fn run(db: &Database, args: Migrate) -> Result<(), Failure> {
         // Until partitions exist every claim lands in the default partition, which the
         // purge cannot drop: say who creates them.
         render::line(
-            "partitions: none yet; `tower-inbox purge --yes` creates them ahead (or \
-             PartitionPlan::create, or pg_partman: see docs/scaling.md)",
+            "partitions: none yet; `tower-inbox purge --yes` with an inbox or outbox policy \
+             creates them ahead (or PartitionPlan::create, or pg_partman: see \
+             docs/scaling.md)",
         );
     }
     Ok(())

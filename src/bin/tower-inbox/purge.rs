@@ -336,6 +336,31 @@ pub fn check(args: &Purge) -> Result<(), Failure> {
     }
 }
 
+/// The first of the schema's partitioned tables pg_partman's configuration lists, if it is
+/// installed and this role may read that: the purge must not create partitions beside it.
+/// Unknown (None) when the configuration cannot be read; the drops stay safe either way.
+async fn managed_by_pg_partman(db: &Database) -> Option<String> {
+    let extension_schema: String = sqlx::query_scalar(
+        "select n.nspname::text from pg_catalog.pg_extension e \
+         join pg_catalog.pg_namespace n on n.oid = e.extnamespace \
+         where e.extname = 'pg_partman'",
+    )
+    .fetch_optional(&db.pool)
+    .await
+    .ok()??;
+    let quoted = format!("\"{}\"", extension_schema.replace('"', "\"\""));
+    let tables = ["consumer_inbox", "message_outbox"].map(|t| format!("{}.{t}", db.schema.name()));
+    sqlx::query_scalar(&format!(
+        "select parent_table from {quoted}.part_config \
+         where parent_table = any($1) order by parent_table limit 1"
+    ))
+    .bind(&tables[..])
+    .fetch_optional(&db.pool)
+    .await
+    .ok()
+    .flatten()
+}
+
 pub async fn run(db: &Database, args: Purge) -> Result<(), Failure> {
     let (inbox, outbox, quarantine) = policies(&args)?;
     let partitioned = db.schema.layout() == Layout::Partitioned;
@@ -346,7 +371,25 @@ pub async fn run(db: &Database, args: Purge) -> Result<(), Failure> {
             db.schema.name()
         )));
     }
+    // Partitions are created and dropped by the inbox's and the outbox's purges; the
+    // quarantine is not partitioned.
+    let maintains = partitioned && (inbox.is_some() || outbox.is_some());
+    if args.partitions.any() && !maintains {
+        return Err(Failure::Usage(
+            "--partition-step, --partitions-ahead and --partitions-created-elsewhere act \
+             through the inbox's or the outbox's purge: give its policy too"
+                .to_owned(),
+        ));
+    }
     let plan = args.partitions.plan()?;
+    if let (true, Some(_)) = (maintains, plan) {
+        if let Some(parent) = managed_by_pg_partman(db).await {
+            return Err(Failure::Usage(format!(
+                "pg_partman creates the partitions of {parent}: give \
+                 --partitions-created-elsewhere (this purge would create overlapping ones)"
+            )));
+        }
+    }
     let mut builder = Purger::builder(db.pool.clone()).schema(db.schema.clone());
     builder = match plan {
         Some(plan) => builder.partitions(plan),
@@ -361,9 +404,7 @@ pub async fn run(db: &Database, args: Purge) -> Result<(), Failure> {
             render::line(format_args!("{name}: {}", policy.to_string().trim_end()));
         }
     }
-    // The partitions matter to the inbox's purge only.
-    let partitioned = partitioned && inbox.is_some();
-    if partitioned {
+    if maintains {
         render::line(match plan {
             Some(plan) => format!(
                 "partitions: {} each, {} ahead, created by this purge; expired ones dropped \
@@ -376,6 +417,8 @@ pub async fn run(db: &Database, args: Purge) -> Result<(), Failure> {
             }
         });
     }
+    // The dry run's per-partition lines and the created/dropped lists are the inbox's.
+    let partitioned = partitioned && inbox.is_some();
     if let Some(policy) = inbox {
         builder = builder.inbox(policy);
     }

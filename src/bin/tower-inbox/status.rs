@@ -175,7 +175,11 @@ async fn read(db: &Database) -> Result<Status, Failure> {
             let all = partition::list(&db.pool, &db.schema)
                 .await
                 .map_err(|e| db.failure("listing the inbox partitions in", e))?;
-            let now = OffsetDateTime::now_utc();
+            // Claims stamp received_at with the server's clock, not this machine's.
+            let now: OffsetDateTime = sqlx::query_scalar("select pg_catalog.now()")
+                .fetch_one(&db.pool)
+                .await
+                .map_err(|e| db.failure("reading the clock of", e))?;
             Some(PartitionsStatus {
                 count: all.len(),
                 oldest: all.first().map(PartitionRange::from),
