@@ -55,9 +55,9 @@
 //! take, and [`Layout::detect`] the layout a schema has in the database (the command line's
 //! `status` and `purge` use them).
 //!
-//! **pg_partman** (tested with 4.7.2 on the inbox, `tests/partman.rs`; the outbox's
-//! `message_outbox` by `created_at` is set up the same way, untested) can create the
-//! partitions instead.
+//! **pg_partman** (tested with 4.7.2, `tests/partman.rs`) can create the partitions
+//! instead, of the inbox by `received_at` and of the outbox's `message_outbox` by
+//! `created_at`, the same way.
 //! On the new, empty inbox, as its owner: drop the migration's default partition
 //! (pg_partman 4.x creates `consumer_inbox_default` itself and fails if it exists), create a
 //! template with `fillfactor = 80`, then
