@@ -841,6 +841,40 @@ async fn relkind(pool: &PgPool, schema: &str) -> String {
     .unwrap()
 }
 
+/// A migration that refuses (here the partitioned outbox's, on an outbox with rows, as when
+/// a schema with only the partitioned inbox is brought up to date) is one line, exit 1, with
+/// the migration's hint.
+#[tokio::test]
+async fn a_migration_that_refuses_is_one_line_with_its_hint() {
+    let db = tower_inbox_testdb::TestDatabase::create()
+        .await
+        .expect("test database");
+    let url = db.url();
+    let pool = db.pool(1).await;
+    ok(cli(
+        url,
+        &["migrate", "--layout", "partitioned", "--schema", "cli_hint"],
+    ));
+    // As if the outbox's migration had not run yet, with an effect waiting.
+    for statement in [
+        "delete from cli_hint._sqlx_migrations where version = 20261206000002",
+        "insert into cli_hint.message_outbox (effect_id, effect_name, destination, payload) \
+         values ('e1', 'hook', 'http://127.0.0.1:9/', '')",
+    ] {
+        sqlx::query(statement).execute(&pool).await.unwrap();
+    }
+    let refused = cli(url, &["migrate", "--schema", "cli_hint"]);
+    let message = stderr(&refused);
+    assert_eq!(refused.status.code(), Some(1), "{message}");
+    assert_eq!(message.trim().lines().count(), 1, "{message}");
+    assert!(
+        message.contains("migration 20261206000002 refused")
+            && message.contains("for an empty outbox")
+            && message.contains("deliver or purge the effects first"),
+        "{message}"
+    );
+}
+
 #[tokio::test]
 async fn migrate_creates_the_partitioned_layout_and_refuses_to_change_a_layout() {
     let db = tower_inbox_testdb::TestDatabase::create()

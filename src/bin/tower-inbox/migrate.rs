@@ -15,8 +15,9 @@ pub struct Migrate {
     /// List what would be applied; change nothing.
     #[arg(long)]
     dry_run: bool,
-    /// The layout of a new schema: `plain` (the default), or `partitioned` (the inbox
-    /// partitioned by time, for a very large inbox: see the README's "Partitioned inbox").
+    /// The layout of a new schema: `plain` (the default), or `partitioned` (the inbox and
+    /// the outbox partitioned by time, for very large tables: see the README's "Partitioned
+    /// inbox").
     /// An existing schema keeps its own; naming another is refused.
     #[arg(long, value_enum)]
     layout: Option<LayoutArg>,
@@ -97,6 +98,18 @@ pub async fn run(db: &Database, args: Migrate) -> Result<(), Failure> {
     migrate_schema(&db.pool, &db.schema.clone().with_layout(layout))
         .await
         .map_err(|e| refusal(db, layout, &e).unwrap_or_else(|| db.failure("migrating", e)))?;
+    // The layout was read before the migration's lock: a migrate of the other layout that
+    // ran meanwhile on the same new schema may have had the last word. Say so rather than
+    // report a layout the schema does not have.
+    if let Some(now) = db.detected_layout().await? {
+        if now != layout {
+            return Err(Failure::Refused(format!(
+                "schema {}: another migrate gave it the {} layout meanwhile",
+                db.schema.name(),
+                now.as_str()
+            )));
+        }
+    }
     render::line(format_args!("schema {schema}: up to date"));
     if layout == Layout::Partitioned && done.is_empty() {
         // Until partitions exist every claim lands in the default partition, which the
@@ -124,8 +137,14 @@ fn refusal(db: &Database, layout: Layout, err: &MigrateError) -> Option<Failure>
         MigrateError::ExecuteMigration(sqlx::Error::Database(raised), version)
             if raised.code().as_deref() == Some("P0001") =>
         {
+            // The migration's hint says what to do instead: keep it on the one line.
+            let hint = raised
+                .try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                .and_then(|pg| pg.hint())
+                .map(|hint| format!(" ({hint})"))
+                .unwrap_or_default();
             Some(Failure::Refused(format!(
-                "schema {schema}: migration {version} refused: {}",
+                "schema {schema}: migration {version} refused: {}{hint}",
                 raised.message()
             )))
         }
