@@ -145,7 +145,22 @@ async fn enqueued_effects_wake_the_dispatcher_and_are_delivered_once() {
     };
     let first = enqueue("first").await;
     until(|| calls.lock().unwrap().get("first") == Some(&1)).await;
-    // Delivered, the dispatcher sleeps for the hour: only a NOTIFY brings the next one.
+    // Recorded as delivered, then past the dispatcher's look for the next due effect (which
+    // would find one enqueued meanwhile without any NOTIFY): it sleeps for the hour, and
+    // only a NOTIFY brings the next one.
+    for _ in 0..400 {
+        let status: String = sqlx::query_scalar(
+            "select status from part_outbox.message_outbox where effect_id = 'first'",
+        )
+        .fetch_one(&app.owner)
+        .await
+        .unwrap();
+        if status == "delivered" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let dead = enqueue("dead").await;
     until(|| calls.lock().unwrap().get("dead") == Some(&1)).await;
     let quarantine = Quarantine::new(app.pool.clone()).with_schema(schema());
@@ -405,6 +420,13 @@ async fn the_purge_drops_old_partitions_and_keeps_pending_dead_and_recent_effect
     add_item(&app, "dead-open", None).await;
     add_effect(&app, "delivered-late", old, "delivered", minute).await;
     add_effect(&app, "delivered-now", minute, "delivered", minute).await;
+    // Discarded long ago but reopened since: the open item keeps it.
+    add_effect(&app, "discarded-reopened", old, "dead", old).await;
+    add_item(&app, "discarded-reopened", Some(old)).await;
+    add_item(&app, "discarded-reopened", None).await;
+    // Discarded within the window: kept until the discard is past it.
+    add_effect(&app, "discarded-recently", old, "dead", old).await;
+    add_item(&app, "discarded-recently", Some(minute)).await;
     let purger = purger(&app);
     let dry = purger.dry_run().await.expect("dry run");
     assert_eq!(dry.rows(PurgedTable::MessageOutbox), 2, "{dry}");
@@ -433,6 +455,8 @@ async fn the_purge_drops_old_partitions_and_keeps_pending_dead_and_recent_effect
             "dead-open",
             "delivered-late",
             "delivered-now",
+            "discarded-recently",
+            "discarded-reopened",
             "pending-old"
         ],
         "{kept:?}"
@@ -580,6 +604,34 @@ async fn the_partitioned_migration_refuses_an_outbox_with_rows() {
         "{err}"
     );
     assert_eq!(rows_of(&app.owner, "e").await, 1, "the rows are kept");
+}
+
+/// An enqueue in flight while a plain schema is converted: the migration waits for it,
+/// then finds its row and refuses, rather than dropping the old table with the row in it.
+#[tokio::test]
+async fn an_enqueue_in_flight_during_the_conversion_is_refused_not_dropped() {
+    let app = TestApp::new().await;
+    let plain = Schema::new("part_outbox").unwrap();
+    migrate_schema(&app.owner, &plain).await.expect("plain");
+    let mut writer = app.owner.begin().await.unwrap();
+    tower_inbox::outbox::Outbox::new(app.owner.clone())
+        .with_schema(plain)
+        .enqueue_with_id(&mut *writer, EffectId::new("e"), "hook", &message())
+        .await
+        .expect("enqueue");
+    let schema = schema();
+    let (migrated, ()) = tokio::join!(migrate_schema(&app.owner, &schema), async {
+        // The migration waits for the enqueue's transaction before it reads the table.
+        wait_until_a_lock_is_awaited(&app.owner).await;
+        writer.commit().await.unwrap();
+    });
+    let err = migrated.expect_err("an outbox with a row is refused");
+    assert!(
+        err.to_string()
+            .contains("the partitioned layout is for an empty outbox"),
+        "{err}"
+    );
+    assert_eq!(rows_of(&app.owner, "e").await, 1, "the row is kept");
 }
 
 /// Expected inputs on the partitioned outbox (duplicate enqueues, one of them waiting for

@@ -13,7 +13,10 @@
 -- Like the others, these statements name no schema: search_path is the inbox schema alone.
 
 -- A layout for a new outbox: converting a populated one would copy every row while holding
--- the table. Refused with a message, not by losing rows.
+-- the table. Refused with a message, not by losing rows. The table is locked first: an
+-- enqueue in flight during the check would otherwise commit its row into the table the
+-- drop below then takes with it.
+lock table message_outbox in access exclusive mode;
 do $$
 begin
     if exists (select from message_outbox) then

@@ -145,7 +145,9 @@ impl PartitionPlan {
     /// `outbox_create_partitions` (the role needs
     /// [`Access::ServiceAndPurge`](crate::schema::Access)); how many it created, of both.
     /// None are created while another session is creating or dropping partitions: it is
-    /// doing this.
+    /// doing this. Both tables get this plan's step: give every purger of one schema the
+    /// same plan, or ranges of different steps leave gaps their rows fill the default
+    /// partitions with.
     pub async fn create(&self, pool: &PgPool, schema: &Schema) -> Result<u32, InboxError> {
         self.create_since(pool, schema, None).await
     }
