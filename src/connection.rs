@@ -157,6 +157,12 @@ impl<'p> Guarded<'p> {
         }
     }
 
+    /// `pool` within [`DEFAULT_STATEMENT_DEADLINE`], sent as `schema`'s pooling needs: what
+    /// the crate's components without a deadline setting of their own use.
+    pub(crate) fn for_schema(pool: &'p PgPool, schema: &crate::schema::Schema) -> Self {
+        Self::new(pool, DEFAULT_STATEMENT_DEADLINE, schema.pooling())
+    }
+
     /// Takes a connection and opens a transaction on it with `begin` (a `BEGIN` statement).
     pub(crate) async fn begin(self, begin: &'static str) -> Result<OwnedTx, sqlx::Error> {
         let mut lease = Lease::acquire(self.pool).await?;

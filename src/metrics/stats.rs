@@ -20,7 +20,7 @@ crate::db::database_error!(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the stats period must be positive")]
 pub struct ZeroPeriod;
-use crate::connection::{Guarded, DEFAULT_STATEMENT_DEADLINE};
+use crate::connection::Guarded;
 use crate::quarantine::QuarantineSource;
 use crate::schema::Schema;
 
@@ -235,11 +235,7 @@ impl StatsTask {
     /// The pool for this component's statements: each within the crate's statement deadline,
     /// sent as the schema's [`Pooling`](crate::schema::Pooling) needs.
     fn db(&self) -> Guarded<'_> {
-        Guarded::new(
-            &self.pool,
-            DEFAULT_STATEMENT_DEADLINE,
-            self.schema.pooling(),
-        )
+        Guarded::for_schema(&self.pool, &self.schema)
     }
 
     /// Reads the stats once and sets the gauges.

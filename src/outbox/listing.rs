@@ -5,7 +5,7 @@ use sqlx::Row;
 use time::OffsetDateTime;
 
 use super::{sql, EffectId, Outbox, OutboxError};
-use crate::connection::{Guarded, DEFAULT_STATEMENT_DEADLINE};
+use crate::connection::Guarded;
 use crate::identity::{bind_identity, MessageIdentity};
 
 /// Where an effect stands.
@@ -66,11 +66,7 @@ impl Outbox {
     /// The pool for this component's statements: each within the crate's statement deadline,
     /// sent as the schema's [`Pooling`](crate::schema::Pooling) needs.
     fn db(&self) -> Guarded<'_> {
-        Guarded::new(
-            &self.pool,
-            DEFAULT_STATEMENT_DEADLINE,
-            self.schema.pooling(),
-        )
+        Guarded::for_schema(&self.pool, &self.schema)
     }
 
     /// One effect's row.

@@ -78,7 +78,7 @@ use std::time::Duration;
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
-use crate::connection::{Guarded, DEFAULT_STATEMENT_DEADLINE};
+use crate::connection::Guarded;
 use crate::inbox::InboxError;
 use crate::schema::Schema;
 
@@ -172,12 +172,6 @@ impl PartitionPlan {
     }
 }
 
-/// `pool` for the operator's reads: each statement within the crate's statement deadline,
-/// sent as `schema`'s [`Pooling`](crate::schema::Pooling) needs.
-pub(crate) fn guarded<'p>(pool: &'p PgPool, schema: &Schema) -> Guarded<'p> {
-    Guarded::new(pool, DEFAULT_STATEMENT_DEADLINE, schema.pooling())
-}
-
 impl Layout {
     /// The layout `schema`'s `consumer_inbox` has in the database, whatever `schema` says
     /// (`None` when the schema has no such table): an operator's tool builds its [`Schema`]
@@ -195,7 +189,7 @@ impl Layout {
     pub async fn detect(pool: &PgPool, schema: &Schema) -> Result<Option<Self>, InboxError> {
         let relkind: Option<String> = sqlx::query_scalar(crate::inbox::sql::RELKIND)
             .bind(schema.name())
-            .fetch_optional(guarded(pool, schema))
+            .fetch_optional(Guarded::for_schema(pool, schema))
             .await
             .map_err(InboxError::classify)?;
         Ok(relkind.map(|kind| Self::of_relkind(&kind)))
@@ -241,7 +235,7 @@ pub async fn list(pool: &PgPool, schema: &Schema) -> Result<Vec<InboxPartition>,
     // The bounds are printed by pg_get_expr and read back in the session's DateStyle and
     // TimeZone, which a pool's connections may have changed: ISO output carries the offset,
     // so the value read back is the bound whatever the time zone.
-    let mut tx = guarded(pool, schema)
+    let mut tx = Guarded::for_schema(pool, schema)
         .begin("BEGIN")
         .await
         .map_err(InboxError::classify)?;

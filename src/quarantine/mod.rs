@@ -38,7 +38,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgPool, Row};
 use time::OffsetDateTime;
 
-use crate::connection::{Guarded, DEFAULT_STATEMENT_DEADLINE};
+use crate::connection::Guarded;
 use crate::identity::{bind_identity, MessageIdentity};
 use crate::schema::Schema;
 
@@ -216,11 +216,7 @@ impl Quarantine {
     /// The pool for this component's statements: each within the crate's statement deadline,
     /// sent as the schema's [`Pooling`](crate::schema::Pooling) needs.
     fn db(&self) -> Guarded<'_> {
-        Guarded::new(
-            &self.pool,
-            DEFAULT_STATEMENT_DEADLINE,
-            self.schema.pooling(),
-        )
+        Guarded::for_schema(&self.pool, &self.schema)
     }
 
     /// Up to `limit` items, oldest first (newest first for [`QuarantineFilter::All`]).

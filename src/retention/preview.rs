@@ -5,9 +5,10 @@
 use sqlx::PgPool;
 use time::OffsetDateTime;
 
+use crate::connection::Guarded;
 use crate::inbox::InboxError;
 use crate::partition::sql as partition_sql;
-use crate::partition::{self, DropPreview, InboxPartition};
+use crate::partition::{DropPreview, InboxPartition};
 use crate::schema::Schema;
 
 impl InboxPartition {
@@ -24,13 +25,13 @@ impl InboxPartition {
             .bind(cutoff)
             .bind(self.from)
             .bind(self.to)
-            .fetch_one(partition::guarded(pool, schema))
+            .fetch_one(Guarded::for_schema(pool, schema))
             .await
             .map_err(InboxError::classify)?;
         let total: i64 = sqlx::query_scalar(&schema.sql(partition_sql::RANGE_COUNT))
             .bind(self.from)
             .bind(self.to)
-            .fetch_one(partition::guarded(pool, schema))
+            .fetch_one(Guarded::for_schema(pool, schema))
             .await
             .map_err(InboxError::classify)?;
         let count = |n: i64| u64::try_from(n).unwrap_or(0);

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use sqlx::PgPool;
 
-use crate::connection::{Guarded, OwnedTx, DEFAULT_STATEMENT_DEADLINE};
+use crate::connection::{Guarded, OwnedTx};
 
 use crate::schema::Schema;
 use time::OffsetDateTime;
@@ -529,11 +529,7 @@ impl Purger {
     /// The pool for this component's statements: each within the crate's statement deadline,
     /// sent as the schema's [`Pooling`](crate::schema::Pooling) needs.
     fn db(&self) -> Guarded<'_> {
-        Guarded::new(
-            &self.pool,
-            DEFAULT_STATEMENT_DEADLINE,
-            self.schema.pooling(),
-        )
+        Guarded::for_schema(&self.pool, &self.schema)
     }
 
     /// A transaction whose lock waits are bounded by the lock timeout.

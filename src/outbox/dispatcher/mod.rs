@@ -13,7 +13,7 @@ use std::time::Duration;
 use futures_util::stream::{self, StreamExt};
 use sqlx::postgres::PgListener;
 
-use crate::connection::{Guarded, DEFAULT_STATEMENT_DEADLINE};
+use crate::connection::Guarded;
 use sqlx::PgPool;
 
 use super::Transport;
@@ -190,11 +190,7 @@ impl<T: Transport> Dispatcher<T> {
     /// deadline (10 s), on a connection closed rather than returned if it misses it, so a
     /// half-open connection cannot stop the deliveries for good.
     fn db(&self) -> Guarded<'_> {
-        Guarded::new(
-            &self.pool,
-            DEFAULT_STATEMENT_DEADLINE,
-            self.settings.schema.pooling(),
-        )
+        Guarded::for_schema(&self.pool, &self.settings.schema)
     }
 
     async fn listen(&self) -> Option<PgListener> {
