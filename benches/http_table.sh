@@ -8,10 +8,13 @@
 #
 #   benches/http_table.sh                 # 3 rounds x 10 s per route, 32 connections
 #   ROUNDS=5 DURATION=20 benches/http_table.sh
+#   FRESH=1 benches/http_table.sh         # each mode starts from empty tables (below)
 #
 # Rows: claim first (new keys, the default builder), claim at commit (CREDITS_CLAIM_AT_COMMIT=1),
 # replay (every request repeats an answered key, the default builder), replay with the cache
-# (CREDITS_REPLAY_CACHE). PostgreSQL's CPU is that of every process named postgres on this
+# (CREDITS_REPLAY_CACHE). The first two also load the example's hand-written minimal protocol
+# (`/minimal`, examples/credits/ceiling.rs) in the same rounds (`--routes ceiling`): the
+# ceiling over HTTP, and the layer's throughput against it. PostgreSQL's CPU is that of every process named postgres on this
 # machine: run it with nothing else using the server. Needs python3. The service uses the
 # database benches/http.sh uses (DATABASE_URL, else the local server).
 set -euo pipefail
@@ -21,14 +24,23 @@ rounds="${ROUNDS:-3}"
 duration="${DURATION:-10}"
 connections="${CONNECTIONS:-32}"
 command -v python3 >/dev/null || { echo "http_table.sh: python3 is not on PATH" >&2; exit 1; }
+# FRESH=1 truncates the example's tables (the inbox, the credits) before each mode, so that
+# every run writes into tables of the same size: the inbox's primary key grows with every run
+# otherwise, and with it what a claim costs. It needs psql, and the database the service uses:
+# DATABASE_URL, else the local server's tower_inbox_credits (the example's default).
+fresh="${FRESH:-0}"
+database="${DATABASE_URL:-postgresql://postgres@127.0.0.1:5432/tower_inbox_credits}"
+if [ "$fresh" = 1 ]; then
+    command -v psql >/dev/null || { echo "http_table.sh: FRESH=1 needs psql on PATH" >&2; exit 1; }
+fi
 
 work="$(mktemp -d "${TMPDIR:-/tmp}/tower-inbox-http-table.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 
 # name | environment of the service | load generator arguments
 modes=(
-    "claim first||--duplicates 0"
-    "claim at commit|CREDITS_CLAIM_AT_COMMIT=1|--duplicates 0"
+    "claim first||--duplicates 0 --routes ceiling"
+    "claim at commit|CREDITS_CLAIM_AT_COMMIT=1|--duplicates 0 --routes ceiling"
     "replay (defaults)||--duplicates 1"
     "replay (cache)|CREDITS_REPLAY_CACHE=200000|--duplicates 1"
 )
@@ -39,6 +51,12 @@ for mode in "${modes[@]}"; do
     read -r -a env_args <<<"$environment"
     read -r -a load_args <<<"$arguments"
     out="$work/$(echo "$name" | tr -c 'a-z0-9\n' '_').json"
+    if [ "$fresh" = 1 ] && ! psql -q -X -v ON_ERROR_STOP=1 "$database" -c \
+        "truncate tower_inbox.consumer_inbox, credit_ledger, credit_account; checkpoint" 2>"$work/stderr"; then
+        # The URL is not printed: it may hold a password.
+        echo "http_table.sh: FRESH=1 could not empty the tables (DATABASE_URL, else the local tower_inbox_credits): $(head -n 1 "$work/stderr")" >&2
+        exit 1
+    fi
     if ! env "${env_args[@]}" benches/http.sh --connections "$connections" --rounds "$rounds" \
         --duration "$duration" "${load_args[@]}" --json >"$out" 2>"$work/stderr"; then
         cat "$work/stderr" >&2
@@ -52,20 +70,28 @@ python3 - "$work/runs" <<'PY'
 import json, sys
 
 def route(report, name):
-    return report["routes"][name]
+    return report["routes"].get(name)
 
-print("| mode | baseline req/s | layered req/s | × baseline | p99 × baseline "
-      "| service µs/req (baseline → layered) | PostgreSQL µs/req (baseline → layered) |")
-print("|---|---|---|---|---|---|---|")
+# Three decimals: the targets sit close to what this machine gives (0.7 is not 0.695).
+print("| mode | baseline req/s | minimal req/s (× baseline) | layered req/s | × baseline "
+      "| × minimal | p99 × baseline | service µs/req (baseline → minimal → layered) "
+      "| PostgreSQL µs/req (baseline → minimal → layered) |")
+print("|---|---|---|---|---|---|---|---|---|")
 for line in open(sys.argv[1]):
     name, path = line.rstrip("\n").split("\t")
     report = json.load(open(path))
-    base, layered = route(report, "baseline"), route(report, "layered")
+    base, minimal, layered = (route(report, r) for r in ("baseline", "minimal", "layered"))
     ratios = report["layered_over_baseline"]
-    # Three decimals: the targets sit close to what this machine gives (0.7 is not 0.695).
-    cpu = lambda r, k: "–" if r.get(k) is None else f"{r[k]:.0f}"
-    print(f"| {name} | {base['all']['per_second']:.0f} | {layered['all']['per_second']:.0f} "
-          f"| {ratios['throughput']:.3f} | {ratios['p99']:.3f} "
-          f"| {cpu(base, 'server_cpu_us_per_request')} → {cpu(layered, 'server_cpu_us_per_request')} "
-          f"| {cpu(base, 'postgres_cpu_us_per_request')} → {cpu(layered, 'postgres_cpu_us_per_request')} |")
+    cpu = lambda r, k: "–" if r is None or r.get(k) is None else f"{r[k]:.0f}"
+    cpus = lambda k: " → ".join(cpu(r, k) for r in (base, minimal, layered) if r is not None)
+    if minimal is None:
+        ceiling, over_minimal = "–", "–"
+    else:
+        ceiling = (f"{minimal['all']['per_second']:.0f} "
+                   f"({report['minimal_over_baseline']['throughput']:.3f})")
+        over_minimal = f"{report['layered_over_minimal']['throughput']:.3f}"
+    print(f"| {name} | {base['all']['per_second']:.0f} | {ceiling} "
+          f"| {layered['all']['per_second']:.0f} | {ratios['throughput']:.3f} | {over_minimal} "
+          f"| {ratios['p99']:.3f} | {cpus('server_cpu_us_per_request')} "
+          f"| {cpus('postgres_cpu_us_per_request')} |")
 PY

@@ -18,7 +18,9 @@
 //! outbox and quarantine gauges every minute, and a purge task deletes what the retention
 //! policies no longer need every ten minutes. `CREDITS_BASELINE_ROUTE=1` also serves
 //! `POST /baseline/accounts/{id}/credits`, the same credit without the layer, to measure what
-//! the layer costs (`benches/loadgen`); never in production. The opt-in speed settings
+//! the layer costs (`benches/loadgen`), and `POST /minimal/accounts/{id}/credits`, the
+//! fewest statements that claim and record it, written by hand (`credits/ceiling.rs`), to
+//! measure the layer against that ceiling; never in production. The opt-in speed settings
 //! can be turned on for such measurements: `CREDITS_CLAIM_AT_COMMIT=1`,
 //! `CREDITS_LOOKUP_BEFORE_CLAIM=1` or `0` (always or never; decided from the traffic by default), and `CREDITS_REPLAY_CACHE=<entries>` (64 MiB at most).
 //! Without `DATABASE_URL` it uses the local PostgreSQL on 127.0.0.1:5432, or starts a
@@ -28,6 +30,8 @@
 #[allow(dead_code)]
 #[path = "credits/app.rs"]
 mod app;
+#[path = "credits/ceiling.rs"]
+mod ceiling;
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -42,7 +46,6 @@ use tower_inbox::InboxLayer;
 
 /// The example's inbox layer, with the opt-in speed settings taken from the environment.
 fn layer(pool: &sqlx::PgPool) -> Result<InboxLayer, Error> {
-    let on = |name: &str| std::env::var(name).is_ok_and(|v| v == "1");
     let mut builder = app::inbox_layer(pool.clone());
     if on("CREDITS_CLAIM_AT_COMMIT") {
         builder = builder.claim_mode(ClaimMode::AtCommit);
@@ -62,6 +65,11 @@ fn layer(pool: &sqlx::PgPool) -> Result<InboxLayer, Error> {
 }
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// Whether the setting `name` is `1`.
+fn on(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "1")
+}
 
 /// A startup failure is one line naming the culprit, then exit status 1.
 #[tokio::main]
@@ -118,10 +126,18 @@ async fn run() -> Result<(), Error> {
         };
     let router = app::routes_with_webhook(pool.clone(), layer(&pool)?, webhook);
 
-    // The unprotected baseline route, for measuring the layer's cost (benches/loadgen).
-    let router = if std::env::var("CREDITS_BASELINE_ROUTE").is_ok_and(|v| v == "1") {
-        tracing::warn!("serving the UNPROTECTED baseline route /baseline/accounts/{{id}}/credits");
-        router.merge(app::baseline_routes(pool.clone()))
+    // The unprotected baseline route and the hand-written minimal protocol's, for measuring
+    // the layer's cost and its ceiling (benches/loadgen).
+    let router = if on("CREDITS_BASELINE_ROUTE") {
+        tracing::warn!(
+            "serving the UNPROTECTED routes /baseline/accounts/{{id}}/credits and /minimal/accounts/{{id}}/credits"
+        );
+        router
+            .merge(app::baseline_routes(pool.clone()))
+            .merge(ceiling::minimal_routes(
+                pool.clone(),
+                on("CREDITS_CLAIM_AT_COMMIT"),
+            ))
     } else {
         router
     };

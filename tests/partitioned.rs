@@ -184,7 +184,8 @@ async fn a_duplicate_claimed_after_the_original_committed_is_a_duplicate() {
 async fn claim_statement(pool: &PgPool) -> String {
     sqlx::query_scalar(
         "select statement from pg_prepared_statements
-         where statement like 'with lock%' and statement not like '%pg_prepared_statements%'",
+         where statement like 'insert into %consumer_inbox %'
+           and statement not like '%pg_prepared_statements%'",
     )
     .fetch_one(pool)
     .await
@@ -230,9 +231,10 @@ async fn the_partitioned_claim_sees_a_row_committed_while_it_waited_for_the_lock
     .await
     .unwrap();
     assert!(lock_first, "no lock statement before the partitioned claim");
-    let try_lock = "select pg_catalog.pg_try_advisory_xact_lock($7, $8) as free";
+    let try_lock = "pg_catalog.pg_try_advisory_xact_lock($7, $8)";
     assert!(claim.contains(try_lock), "{claim}");
-    let waiting_lock = "select true as free from pg_catalog.pg_advisory_xact_lock($7, $8)";
+    // The same condition, waiting for the lock inside the claim's own statement.
+    let waiting_lock = "(select true from pg_catalog.pg_advisory_xact_lock($7, $8))";
 
     // Whether the duplicate's claim inserted a row. `lock_inside`: the waiting lock is the
     // claim's own, in its statement; otherwise a statement of its own, before the claim.

@@ -193,16 +193,18 @@ struct AppState {
     webhook: Option<Arc<str>>,
 }
 
+/// The body of a credit.
 #[derive(Deserialize)]
-struct CreditRequest {
-    delta: i64,
+pub struct CreditRequest {
+    pub delta: i64,
 }
 
+/// The answer to a credit.
 #[derive(Serialize)]
-struct Credited {
-    account_id: String,
-    balance: i64,
-    delta: i64,
+pub struct Credited {
+    pub account_id: String,
+    pub balance: i64,
+    pub delta: i64,
 }
 
 async fn credit(

@@ -3,8 +3,12 @@
 //! (Over 400 lines: the one support module every integration test shares.)
 #![allow(dead_code)]
 
+#[path = "../../examples/credits/ceiling.rs"]
+pub mod ceiling;
 #[path = "../../examples/credits/app.rs"]
 pub mod credits;
+// The name `examples/credits.rs` gives the app module, which `ceiling` refers to.
+use credits as app;
 pub mod example;
 pub mod listen;
 pub mod proxy;

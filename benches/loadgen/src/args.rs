@@ -41,7 +41,8 @@ pub(crate) struct Args {
     /// fixed schedule, and measure latency from each request's due time (see Modes below).
     #[arg(long, value_name = "REQ_PER_SEC", value_parser = parse_rate)]
     pub(crate) rate: Option<f64>,
-    /// Phases per route: R rounds of baseline then layered.
+    /// Phases per route: R rounds of baseline then layered (baseline, minimal, layered with
+    /// `--routes ceiling`).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub(crate) rounds: u32,
     /// Share (0 to 1) of requests that repeat an already answered key of the same route.
@@ -59,7 +60,8 @@ pub(crate) struct Args {
     /// Seconds of unmeasured load per route before the first round (0: none).
     #[arg(long, value_name = "SECS", default_value = "1", value_parser = parse_secs)]
     pub(crate) warmup: Duration,
-    /// Which routes to load: both interleaved, or one alone.
+    /// Which routes to load: baseline and layered interleaved, those two with the minimal
+    /// protocol's route between them (`ceiling`), or one alone.
     #[arg(long, value_enum, default_value_t = Routes::Both)]
     pub(crate) routes: Routes,
     /// Seconds a request may take before it counts as a transport error.
@@ -148,6 +150,9 @@ pub(crate) enum Routes {
     Layered,
     /// Only the unprotected baseline route.
     Baseline,
+    /// The baseline, the hand-written minimal protocol (`/minimal`) and the layered route,
+    /// interleaved: the layer against the ceiling over HTTP, in the same run.
+    Ceiling,
 }
 
 impl Routes {
@@ -156,6 +161,7 @@ impl Routes {
             Routes::Both => &[Route::Baseline, Route::Layered],
             Routes::Layered => &[Route::Layered],
             Routes::Baseline => &[Route::Baseline],
+            Routes::Ceiling => &[Route::Baseline, Route::Minimal, Route::Layered],
         }
     }
 }

@@ -264,7 +264,7 @@ pub(crate) async fn preflight(plan: &Plan, routes: &[Route]) -> Result<(), Strin
             })?;
         if (reply.status, reply.replayed) != expected {
             let hint = match (route, reply.status) {
-                (Route::Baseline, StatusCode::NOT_FOUND) => {
+                (Route::Baseline | Route::Minimal, StatusCode::NOT_FOUND) => {
                     ": start the service with CREDITS_BASELINE_ROUTE=1, or pass --routes layered"
                 }
                 _ => "",

@@ -187,3 +187,20 @@ pub(crate) fn ratios(figures: &[RouteFigures<'_>]) -> Option<Ratios> {
             .collect(),
     })
 }
+
+/// One route over another in the same run: throughput and p99.
+pub(crate) struct Pair {
+    pub(crate) throughput: f64,
+    pub(crate) p99: f64,
+}
+
+/// `over`'s figures divided by `under`'s, when the run loaded both routes.
+pub(crate) fn pair(figures: &[RouteFigures<'_>], over: Route, under: Route) -> Option<Pair> {
+    let find = |route| figures.iter().find(|f| f.report.route == route);
+    let (over, under) = (find(over)?, find(under)?);
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+    Some(Pair {
+        throughput: ratio(over.all.per_second, under.all.per_second),
+        p99: ratio(over.all.p99_us as f64, under.all.p99_us as f64),
+    })
+}

@@ -23,11 +23,16 @@ const CONFLICT_BODY: &[u8] = br#"{"delta":2}"#;
 /// Answered keys each connection remembers for duplicates and conflicts.
 const ANSWERED_KEYS: usize = 1024;
 
-/// One of the two routes the service serves the credit on.
+/// One of the routes the service serves the credit on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Route {
+    /// The credit without any protocol.
     Baseline,
+    /// The credit behind the inbox layer.
     Layered,
+    /// The credit with the fewest statements that claim and record it, written by hand
+    /// (the example's `/minimal` route): the ceiling for the layered route over HTTP.
+    Minimal,
 }
 
 impl Route {
@@ -35,6 +40,7 @@ impl Route {
         match self {
             Route::Baseline => "baseline",
             Route::Layered => "layered",
+            Route::Minimal => "minimal",
         }
     }
 
@@ -42,6 +48,7 @@ impl Route {
         match self {
             Route::Baseline => "/baseline/accounts/",
             Route::Layered => "/accounts/",
+            Route::Minimal => "/minimal/accounts/",
         }
     }
 
@@ -50,6 +57,7 @@ impl Route {
         match self {
             Route::Baseline => 'b',
             Route::Layered => 'l',
+            Route::Minimal => 'm',
         }
     }
 
@@ -59,6 +67,9 @@ impl Route {
         match (self, kind) {
             (Route::Layered, Kind::Duplicate) => (StatusCode::CREATED, true),
             (Route::Layered, Kind::Conflict) => (StatusCode::CONFLICT, false),
+            // The hand-written protocol refuses a key it has seen, whatever the body: it
+            // neither replays nor compares payloads.
+            (Route::Minimal, Kind::Duplicate | Kind::Conflict) => (StatusCode::CONFLICT, false),
             _ => (StatusCode::CREATED, false),
         }
     }
@@ -137,7 +148,7 @@ pub(crate) struct Plan {
     credit_body: Bytes,
     conflict_body: Bytes,
     /// Per route (indexed by `Route as usize`), the request URI of every account.
-    pub(crate) uris: [Vec<Uri>; 2],
+    pub(crate) uris: [Vec<Uri>; 3],
     pub(crate) duplicates: f64,
     pub(crate) conflicts: f64,
     pub(crate) timeout: Duration,
@@ -178,7 +189,11 @@ impl Plan {
                 .collect()
         };
         Ok(Plan {
-            uris: [uris(Route::Baseline)?, uris(Route::Layered)?],
+            uris: [
+                uris(Route::Baseline)?,
+                uris(Route::Layered)?,
+                uris(Route::Minimal)?,
+            ],
             target,
             producer,
             content_type: HeaderValue::from_static("application/json"),

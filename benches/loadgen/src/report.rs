@@ -3,7 +3,8 @@
 use serde_json::{json, Value};
 
 use crate::args::{Args, Limit, Mode};
-use crate::figures::{ratios, RouteFigures};
+use crate::figures::{pair, ratios, RouteFigures};
+use crate::plan::Route;
 use crate::stats::{FAILURES, SAMPLES_PRINTED};
 
 /// `items` separated by commas, or `none`.
@@ -134,6 +135,17 @@ pub(crate) fn print_text(args: &Args, run_id: &str, figures: &[RouteFigures<'_>]
         }
         println!();
     }
+    for (name, over, under) in CEILING_PAIRS {
+        if let Some(p) = pair(figures, over, under) {
+            println!(
+                "{} / {}: throughput {:.3}x, p99 {:.3}x ({name})",
+                over.name(),
+                under.name(),
+                p.throughput,
+                p.p99
+            );
+        }
+    }
     println!();
     for route in figures {
         for (whose, cpu) in [
@@ -216,6 +228,12 @@ fn print_open_loop(args: &Args, figures: &[RouteFigures<'_>]) {
     }
 }
 
+/// The ratios a run with the minimal protocol's route adds, by their JSON name.
+const CEILING_PAIRS: [(&str, Route, Route); 2] = [
+    ("minimal_over_baseline", Route::Minimal, Route::Baseline),
+    ("layered_over_minimal", Route::Layered, Route::Minimal),
+];
+
 pub(crate) fn json(
     args: &Args,
     run_id: &str,
@@ -287,6 +305,13 @@ pub(crate) fn json(
         "routes": routes,
         "layered_over_baseline": ratios,
     });
+    // With `--routes ceiling`: the hand-written minimal protocol against the baseline, and
+    // the layer against that ceiling.
+    for (name, over, under) in CEILING_PAIRS {
+        if let Some(p) = pair(figures, over, under) {
+            report[name] = json!({ "throughput": p.throughput, "p99": p.p99 });
+        }
+    }
     if let Mode::Open { rate } = args.mode() {
         report["rate_per_second"] = json!(rate);
     }
