@@ -15,9 +15,18 @@
 //! cargo run --release -p tower-inbox-loadgen -- --connections 32 --duration 10 --rounds 3 --duplicates 0.5
 //! # replays only, no baseline (e.g. to try a response cache)
 //! cargo run --release -p tower-inbox-loadgen -- --routes layered --duplicates 1 --duration 10
+//! # the layer against the hand-written minimal protocol (`/minimal`), baseline included
+//! cargo run --release -p tower-inbox-loadgen -- --routes ceiling --duration 10 --rounds 3
 //! # open loop: 500 requests per second on each route, whatever the answers' pace
 //! cargo run --release -p tower-inbox-loadgen -- --rate 500 --duration 10 --rounds 3
 //! ```
+//!
+//! `--routes ceiling` adds a third route between them in every round: the example's
+//! `/minimal/accounts/{id}/credits` (`examples/credits/ceiling.rs`), the fewest statements that
+//! claim and record a credit, written by hand without the layer and without its safety (a
+//! reused key gets 409, expected for duplicates and conflicts there). It prints, besides
+//! layered / baseline, **minimal / baseline** (the ceiling over HTTP on this machine) and
+//! **layered / minimal** (what the layer costs beyond the protocol itself).
 //!
 //! `benches/http.sh [loadgen arguments]` does all of it in one command: it builds both in
 //! release, starts the service with the baseline route on a free port, waits for it to listen,
