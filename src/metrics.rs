@@ -21,7 +21,8 @@
 
 mod stats;
 
-use ::metrics::{counter, gauge, histogram, Label, Unit};
+use ::metrics::{counter, gauge, histogram, Label, SharedString, Unit};
+use std::sync::Arc;
 
 use crate::identity::MessageIdentity;
 use crate::quarantine::QuarantineSource;
@@ -444,7 +445,7 @@ impl MetricLabels {
 
     /// The labels of a message: consumer and, if asked for, producer.
     pub(crate) fn of(self, identity: &MessageIdentity) -> Vec<Label> {
-        let mut labels = self.of_consumer(identity.consumer());
+        let mut labels = self.of_consumer_shared(identity.consumer_shared());
         if self.producer {
             labels.push(Label::new(
                 "producer",
@@ -456,18 +457,35 @@ impl MetricLabels {
 
     /// The labels of a consumer-level metric.
     pub(crate) fn of_consumer(self, consumer: &str) -> Vec<Label> {
+        self.consumer_label(|| consumer.to_owned().into())
+    }
+
+    /// [`of_consumer`](Self::of_consumer) for a name already shared: the label points at it
+    /// instead of copying it, and so does every copy the `metrics` facade makes of the label
+    /// (on every request path, these copies were most of the layer's heap allocations).
+    pub(crate) fn of_consumer_shared(self, consumer: &Arc<str>) -> Vec<Label> {
+        self.consumer_label(|| consumer.clone().into())
+    }
+
+    fn consumer_label(self, name: impl FnOnce() -> SharedString) -> Vec<Label> {
         let mut labels = Vec::with_capacity(2);
         if self.consumer {
-            labels.push(Label::new("consumer", consumer.to_owned()));
+            labels.push(Label::new("consumer", name()));
         }
         labels
     }
 }
 
 /// Adds one to a counter with the given labels and one more `key=value`.
-pub(crate) fn count_with(name: &'static str, labels: &[Label], key: &'static str, value: &str) {
-    let mut all = labels.to_vec();
-    all.push(Label::new(key, value.to_owned()));
+pub(crate) fn count_with(
+    name: &'static str,
+    labels: &[Label],
+    key: &'static str,
+    value: impl Into<SharedString>,
+) {
+    let mut all = Vec::with_capacity(labels.len() + 1);
+    all.extend_from_slice(labels);
+    all.push(Label::new(key, value));
     counter!(name, all).increment(1);
 }
 

@@ -40,7 +40,7 @@ impl Inbox {
             outcome = tracing::field::Empty,
         );
         let labels = self.labels.of(&identity);
-        let wait_labels = self.labels.of_consumer(identity.consumer());
+        let wait_labels = self.labels.of_consumer_shared(identity.consumer_shared());
         let started = Instant::now();
         let mut timed = false;
         let claim = self

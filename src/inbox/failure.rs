@@ -33,9 +33,9 @@ impl Inbox {
     ) -> Result<Option<i64>, InboxError> {
         m::count_with(
             m::HANDLER_FAILURES,
-            &self.labels.of_consumer(identity.consumer()),
+            &self.labels.of_consumer_shared(identity.consumer_shared()),
             "reason",
-            reason,
+            reason.to_owned(),
         );
         let item_key = identity_item_key(QuarantineSource::HandlerFailure, identity, "");
         let lock = ClaimLock::of(&self.schema, identity);

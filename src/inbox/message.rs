@@ -207,7 +207,7 @@ impl ClaimedMessage {
             }
             Ok(Finished::ClaimedElsewhere(claim)) => count_claim(claim, &labels.of(&identity)),
             Err(err) => {
-                err.count(&labels.of_consumer(identity.consumer()));
+                err.count(&labels.of_consumer_shared(identity.consumer_shared()));
                 err.kind()
             }
         };
@@ -281,7 +281,7 @@ impl ClaimedMessage {
                     &self
                         .inbox
                         .metric_labels()
-                        .of_consumer(self.identity.consumer()),
+                        .of_consumer_shared(self.identity.consumer_shared()),
                     started.elapsed().as_secs_f64(),
                 );
                 match claimed? {

@@ -171,7 +171,10 @@ impl RetentionGuard {
                 handler_version,
             )
             .await?;
-        let labels = self.inbox.metric_labels().of_consumer(identity.consumer());
+        let labels = self
+            .inbox
+            .metric_labels()
+            .of_consumer_shared(identity.consumer_shared());
         count(EXPIRED, &labels, 1);
         tracing::warn!(
             consumer = identity.consumer(),

@@ -234,7 +234,11 @@ impl Command {
         let config = &self.config;
         let hit = config.replay_cache.as_ref()?.get(&self.identity)?;
         let labels = config.inbox.metric_labels();
-        m::count(m::CACHE_HITS, &labels.of_consumer(&config.consumer), 1);
+        m::count(
+            m::CACHE_HITS,
+            &labels.of_consumer_shared(&config.consumer),
+            1,
+        );
         if hit.fingerprint != self.fingerprint {
             m::count(m::IDENTITY_CONFLICTS, &labels.of(&self.identity), 1);
             return Some(self.conflict(&hit.entry).await);

@@ -109,10 +109,13 @@ where
 }
 
 fn consumer_labels(config: &InboxConfig) -> Vec<Label> {
-    config.inbox.metric_labels().of_consumer(&config.consumer)
+    config
+        .inbox
+        .metric_labels()
+        .of_consumer_shared(&config.consumer)
 }
 
-fn key_missing(config: &InboxConfig, action: &str) {
+fn key_missing(config: &InboxConfig, action: &'static str) {
     m::count_with(m::KEY_MISSING, &consumer_labels(config), "action", action);
 }
 
