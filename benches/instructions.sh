@@ -9,7 +9,7 @@
 #   CREDITS_CLAIM_AT_COMMIT=1 benches/instructions.sh
 #   COUNT=5000 benches/instructions.sh layered       # one route
 #
-# Prints, per route, instructions and heap allocations (calls to malloc) per request. Under
+# Prints, per route, instructions and calls to malloc per request (realloc apart). Under
 # valgrind the CPU's SHA extensions are not offered, so sha2 takes its portable code: hashing
 # costs several times the instructions it costs natively (the report names it apart). Needs
 # valgrind (callgrind_control, callgrind_annotate) and python3; PostgreSQL as the example
@@ -81,10 +81,12 @@ for route in "${routes[@]}"; do
     done
     [ -n "$address" ] || { cat "$log" >&2; echo "instructions.sh: the service did not listen" >&2; exit 1; }
     send "$address" "$prefix" 300 "warm-$route-$$"
-    callgrind_control --zero "$server_pid" >/dev/null 2>&1
+    callgrind_control --zero "$server_pid" >/dev/null 2>&1 \
+        || { echo "instructions.sh: callgrind_control --zero $server_pid failed" >&2; exit 1; }
     send "$address" "$prefix" "$count" "$route-$$"
     # The dump after the zero holds the counted requests only: "$out.1".
-    callgrind_control --dump "$server_pid" >/dev/null 2>&1
+    callgrind_control --dump "$server_pid" >/dev/null 2>&1 \
+        || { echo "instructions.sh: callgrind_control --dump $server_pid failed" >&2; exit 1; }
     stop_pid "$server_pid"
     server_pid=""
     python3 - "$route" "$out.1" "$count" <<'PY'
@@ -104,18 +106,22 @@ for line in flat.splitlines():
         total = n
     elif "sha2::sha256::compress256" in m.group(2):
         sha += n
-# Calls into malloc, from the caller lines above its entry in the call tree.
+# Calls into malloc, from the caller lines above its entry in the call tree. Without the C
+# library's debug information the entry is "???:malloc" rather than "<file>:malloc".
 mallocs, lines = 0, tree.splitlines()
 for i, line in enumerate(lines):
-    if "*  ./malloc/./malloc/malloc.c:malloc " in line:
+    if re.search(r"\*\s+\S*:malloc \[", line):
         j = i - 1
         while j >= 0 and "<" in lines[j]:
             c = re.search(r"\((\d[\d,]*)x\)", lines[j])
             mallocs += int(c.group(1).replace(",", "")) if c else 0
             j -= 1
+if total == 0 or mallocs == 0:
+    sys.exit(f"instructions.sh: {path}: no instruction total or no call to malloc found; "
+             "is callgrind_annotate's output in the form this script reads?")
 print(f"{route}: {total / count:,.0f} instructions per request "
       f"({sha / count:,.0f} of them SHA-256 in portable code), "
-      f"{mallocs / count:.0f} heap allocations per request")
+      f"{mallocs / count:.0f} calls to malloc per request")
 PY
 done
 echo "instructions.sh: callgrind files in $work" >&2

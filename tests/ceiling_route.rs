@@ -74,6 +74,43 @@ async fn claiming_at_commit_it_credits_a_key_once_and_records_the_response() {
 }
 
 #[tokio::test]
+async fn a_credit_the_baseline_refuses_is_refused_and_claims_nothing() {
+    let app = TestApp::new().await;
+    for at_commit in [false, true] {
+        let router = minimal_routes(app.pool.clone(), at_commit);
+        let account = format!("m2-{at_commit}");
+        let key = format!("big-{at_commit}");
+        let first = send(&router, minimal_credit(&account, &key, i64::MAX)).await;
+        assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+        let key = format!("over-{at_commit}");
+        let overflow = send(&router, minimal_credit(&account, &key, 1)).await;
+        assert_eq!(
+            overflow.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{overflow:?}"
+        );
+        assert_eq!(
+            recorded(&app, &key).await,
+            None,
+            "rolled back with the credit"
+        );
+        assert_eq!(app.balance(&account).await, Some(i64::MAX));
+
+        let long = "a".repeat(129);
+        let refused = send(
+            &router,
+            minimal_credit(&long, &format!("long-{at_commit}"), 1),
+        )
+        .await;
+        assert_eq!(
+            refused.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{refused:?}"
+        );
+    }
+}
+
+#[tokio::test]
 async fn a_body_that_is_not_a_credit_is_refused_and_claims_nothing() {
     let app = TestApp::new().await;
     let router = minimal_routes(app.pool.clone(), false);

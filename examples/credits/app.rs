@@ -196,14 +196,18 @@ struct AppState {
 /// The body of a credit.
 #[derive(Deserialize)]
 pub struct CreditRequest {
+    /// How much to add to the balance.
     pub delta: i64,
 }
 
 /// The answer to a credit.
 #[derive(Serialize)]
 pub struct Credited {
+    /// The account credited.
     pub account_id: String,
+    /// Its balance after the credit.
     pub balance: i64,
+    /// What the credit added.
     pub delta: i64,
 }
 
@@ -249,8 +253,9 @@ async fn credit(
 }
 
 /// The credit itself: add `delta` to the account and write the ledger row, on `conn` (the
-/// claimed transaction, or the baseline's own). A refusal is the response to give.
-async fn apply_credit<C>(
+/// claimed transaction, or the baseline's or the minimal route's own). A refusal is the
+/// response to give: 422 for an account ID out of bounds or a balance that would overflow.
+pub async fn apply_credit<C>(
     conn: &mut C,
     account_id: &str,
     delta: i64,

@@ -16,6 +16,10 @@
 //!   `UPDATE` with the response, `COMMIT` (as `minimal_first_seen.sql`);
 //! - claim at commit: the credit's two statements, then the `INSERT` with the response,
 //!   `COMMIT` (as `minimal_at_commit.sql`).
+//!
+//! The credit refuses what the baseline refuses (an account ID out of bounds, a balance that
+//! would overflow: 422), and the record must find the claimed row (read from the `UPDATE`'s
+//! command tag, as no `RETURNING` is sent).
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -27,7 +31,7 @@ use sqlx::PgPool;
 use tower_inbox::fingerprint::Fingerprint;
 use tower_inbox::{MessageIdentity, MessageKey, Producer};
 
-use super::app::{credit_rows, CreditRequest, Credited};
+use super::app::{apply_credit, CreditRequest, Credited};
 
 /// The consumer name the minimal route claims its commands under, apart from the layer's.
 pub const MINIMAL_CONSUMER: &str = "credits-minimal";
@@ -100,7 +104,8 @@ async fn minimal_credit(
         )
             .into_response(),
         Ok(None) => refuse(StatusCode::CONFLICT, "this key was seen before"),
-        Err(e) => {
+        Err(Failed::Refused(response)) => response,
+        Err(Failed::Database(e)) => {
             tracing::error!(error = %e, "the minimal route's transaction failed");
             refuse(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -110,8 +115,21 @@ async fn minimal_credit(
     }
 }
 
-/// The protocol's transaction: the response's body, or `None` when the key was taken (the
-/// transaction is dropped, so rolled back).
+/// Why the minimal route's transaction ended without a credit.
+enum Failed {
+    /// The credit refused the request (the baseline's checks): the response to give.
+    Refused(Response),
+    Database(sqlx::Error),
+}
+
+impl From<sqlx::Error> for Failed {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Database(e)
+    }
+}
+
+/// The protocol's transaction: the response's body, or `None` when the key was taken. On
+/// any early return the transaction is dropped, so rolled back.
 async fn run(
     pool: &PgPool,
     at_commit: bool,
@@ -119,7 +137,7 @@ async fn run(
     delta: i64,
     identity: &MessageIdentity,
     sha: &str,
-) -> Result<Option<Vec<u8>>, sqlx::Error> {
+) -> Result<Option<Vec<u8>>, Failed> {
     let (consumer, producer) = (identity.consumer(), identity.producer().name());
     let key = identity.message_id().as_str();
     let names = ["content-type"];
@@ -137,13 +155,15 @@ async fn run(
             return Ok(None);
         }
     }
-    let balance = credit_rows(&mut *tx, account_id, delta, identity).await?;
+    let balance = apply_credit(&mut *tx, account_id, delta, identity)
+        .await
+        .map_err(Failed::Refused)?;
     let body = serde_json::to_vec(&Credited {
         account_id: account_id.to_owned(),
         balance,
         delta,
     })
-    .map_err(|e| sqlx::Error::Encode(e.into()))?;
+    .map_err(|e| Failed::Database(sqlx::Error::Encode(e.into())))?;
     if at_commit {
         let claimed: Option<i32> = sqlx::query_scalar(CLAIM_WITH_RESPONSE)
             .bind(consumer)
@@ -159,7 +179,7 @@ async fn run(
             return Ok(None);
         }
     } else {
-        sqlx::query(RECORD)
+        let recorded = sqlx::query(RECORD)
             .bind(consumer)
             .bind(producer)
             .bind(key)
@@ -168,6 +188,10 @@ async fn run(
             .bind(&body)
             .execute(&mut *tx)
             .await?;
+        // Read from the command tag, without a RETURNING: the claim's row must be there.
+        if recorded.rows_affected() != 1 {
+            return Err(Failed::Database(sqlx::Error::RowNotFound));
+        }
     }
     tx.commit().await?;
     Ok(Some(body))

@@ -73,10 +73,14 @@ macro_rules! partitioned_free {
 /// after them, unless the lock is held; a row comes back when it inserted, saying whether
 /// earlier attempts failed.
 ///
-/// The try-lock is the condition of a `SELECT` without `FROM`: it refers to no row, so
-/// PostgreSQL evaluates it once, before the one row reaches the insert (the plan's "One-Time
-/// Filter"). It was a CTE before; the filter does the same with two plan nodes fewer to set
-/// up on every run (BENCHMARKS.md measures both against the hand-written minimal protocol).
+/// The try-lock is the condition of a `SELECT` without `FROM`, which makes one row: the
+/// condition is evaluated once, for that row, before the row reaches the insert and its
+/// conflict check (the plan shows it as the "One-Time Filter" of a `Result` node). Never give
+/// this `SELECT` a `FROM`: the lock would then be tried once per row. It was a CTE before;
+/// the filter does the same with two plan nodes fewer to set up on every run (BENCHMARKS.md
+/// measures both against the hand-written minimal protocol). In the partitioned claim the
+/// planner may evaluate the `NOT EXISTS` first and skip the try-lock when a row exists; the
+/// lock is held already there ([`CLAIM_PARTITIONED`]).
 macro_rules! claim {
     ($columns:literal, $values:literal) => {
         claim!($columns, $values, "pg_catalog.pg_try_advisory_xact_lock($7, $8)")

@@ -147,8 +147,9 @@ pub(crate) struct Ratios {
     pub(crate) p50: f64,
     pub(crate) p99: f64,
     pub(crate) p99_by_kind: Vec<(Kind, f64)>,
-    /// Each round's layered phase over the baseline phase just before it: machine noise that
-    /// hits both cancels out, so a trend here is the layer's own (over uptime, say).
+    /// Each round's layered phase over the same round's baseline phase (the phase just before
+    /// it, or two before with `--routes ceiling`): machine noise that hits both cancels out,
+    /// so a trend here is the layer's own (over uptime, say).
     pub(crate) by_round: Vec<f64>,
 }
 
