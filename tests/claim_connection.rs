@@ -6,7 +6,8 @@
 //!
 //! Each test gives the inbox a pool of one connection, so the next statement on that pool
 //! runs on the very connection the claim used; another connection checks that statement
-//! committed and that no backend was left inside a transaction.
+//! committed and that no backend was left inside a transaction. The same connection also
+//! shows the plan of the claim the crate prepared on it.
 
 mod common;
 
@@ -359,4 +360,69 @@ fn any_consumer_name_round_trips_through_the_claim() {
         assert!(matches!(err, InboxError::Database(_)), "{err:?}");
         assert_pool_connection_clean(&app, &pool, 1).await;
     });
+}
+
+/// The claim tries the key's lock as the one-time condition of a `SELECT` without `FROM`,
+/// evaluated once before the row reaches the insert: its plan shows the lock as the
+/// "One-Time Filter" of the `Result` node the insert reads, and no scan the lock could run
+/// in once per row. Read from the statement the crate prepared on its one connection.
+#[tokio::test]
+async fn the_claim_tries_the_lock_once_as_a_one_time_filter() {
+    let app = TestApp::new().await;
+    let inbox = Inbox::new(app.pool_with(1, &[]));
+    let message = match inbox
+        .claim(
+            identity("plan"),
+            Fingerprint::of_bytes(b"x"),
+            "v1",
+            Duration::ZERO,
+        )
+        .await
+        .expect("claim")
+    {
+        Claim::Claimed(message) => message,
+        other => panic!("not claimed: {other:?}"),
+    };
+    message.rollback().await.expect("rollback");
+    let mut conn = inbox
+        .pool()
+        .acquire()
+        .await
+        .expect("the claim's connection");
+    let claim: String = sqlx::query_scalar(
+        "select statement from pg_prepared_statements
+         where statement like 'insert into %consumer_inbox %'",
+    )
+    .fetch_one(&mut *conn)
+    .await
+    .expect("the claim's prepared statement");
+    sqlx::raw_sql(&format!(
+        "prepare claim_plan (bytea, bytea, bytea, text, text, bytea, int4, int4) as {claim}"
+    ))
+    .execute(&mut *conn)
+    .await
+    .expect("prepare");
+    sqlx::raw_sql("set plan_cache_mode = force_generic_plan")
+        .execute(&mut *conn)
+        .await
+        .expect("generic plans, as the crate's cached statement gets");
+    let plan: Vec<String> = sqlx::query_scalar(
+        "explain (costs off) execute claim_plan('c', 'p', '', 'k', 's', 'v', 1, 2)",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .expect("explain");
+    let plan = plan.join("\n");
+    assert!(
+        plan.contains("One-Time Filter: pg_try_advisory_xact_lock($7, $8)"),
+        "{plan}"
+    );
+    assert!(
+        !plan.contains("CTE") && !plan.contains("Subquery Scan"),
+        "{plan}"
+    );
+    sqlx::raw_sql("deallocate claim_plan; reset plan_cache_mode")
+        .execute(&mut *conn)
+        .await
+        .expect("clean up");
 }
