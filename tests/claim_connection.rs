@@ -8,6 +8,7 @@
 //! runs on the very connection the claim used; another connection checks that statement
 //! committed and that no backend was left inside a transaction. The same connection also
 //! shows the plan of the claim the crate prepared on it.
+//! (Over 400 lines: one test per answer of the claim, each with the checks of its connection.)
 
 mod common;
 
