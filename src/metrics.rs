@@ -462,7 +462,8 @@ impl MetricLabels {
 
     /// [`of_consumer`](Self::of_consumer) for a name already shared: the label points at it
     /// instead of copying it, and so does every copy the `metrics` facade makes of the label
-    /// (on every request path, these copies were most of the layer's heap allocations).
+    /// (on a request's path these copies cost about 7 heap allocations, counted with
+    /// `benches/instructions.sh`).
     pub(crate) fn of_consumer_shared(self, consumer: &Arc<str>) -> Vec<Label> {
         self.consumer_label(|| consumer.clone().into())
     }
