@@ -371,19 +371,7 @@ fn any_consumer_name_round_trips_through_the_claim() {
 async fn the_claim_tries_the_lock_once_as_a_one_time_filter() {
     let app = TestApp::new().await;
     let inbox = Inbox::new(app.pool_with(1, &[]));
-    let message = match inbox
-        .claim(
-            identity("plan"),
-            Fingerprint::of_bytes(b"x"),
-            "v1",
-            Duration::ZERO,
-        )
-        .await
-        .expect("claim")
-    {
-        Claim::Claimed(message) => message,
-        other => panic!("not claimed: {other:?}"),
-    };
+    let message = claimed(&inbox, "plan", Duration::ZERO).await;
     message.rollback().await.expect("rollback");
     let mut conn = inbox
         .pool()

@@ -167,10 +167,25 @@ impl Ratios {
     }
 }
 
+/// The figures of `route`, when the run loaded it.
+fn find<'a, 'r>(figures: &'a [RouteFigures<'r>], route: Route) -> Option<&'a RouteFigures<'r>> {
+    figures.iter().find(|f| f.report.route == route)
+}
+
+/// `a / b`, or NaN when `b` measured nothing.
+fn ratio(a: f64, b: f64) -> f64 {
+    if b > 0.0 {
+        a / b
+    } else {
+        f64::NAN
+    }
+}
+
 pub(crate) fn ratios(figures: &[RouteFigures<'_>]) -> Option<Ratios> {
-    let find = |route| figures.iter().find(|f| f.report.route == route);
-    let (baseline, layered) = (find(Route::Baseline)?, find(Route::Layered)?);
-    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+    let (baseline, layered) = (
+        find(figures, Route::Baseline)?,
+        find(figures, Route::Layered)?,
+    );
     Some(Ratios {
         throughput: ratio(layered.all.per_second, baseline.all.per_second),
         p50: ratio(layered.all.p50_us as f64, baseline.all.p50_us as f64),
@@ -197,9 +212,7 @@ pub(crate) struct Pair {
 
 /// `over`'s figures divided by `under`'s, when the run loaded both routes.
 pub(crate) fn pair(figures: &[RouteFigures<'_>], over: Route, under: Route) -> Option<Pair> {
-    let find = |route| figures.iter().find(|f| f.report.route == route);
-    let (over, under) = (find(over)?, find(under)?);
-    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+    let (over, under) = (find(figures, over)?, find(figures, under)?);
     Some(Pair {
         throughput: ratio(over.all.per_second, under.all.per_second),
         p99: ratio(over.all.p99_us as f64, under.all.p99_us as f64),
