@@ -9,6 +9,7 @@
 #
 #   benches/profile.sh baseline 10     # the credit without the layer, 10 s of samples
 #   benches/profile.sh layered 10      # the same credit through the layer
+#   benches/profile.sh minimal 10      # the example's hand-written minimal protocol
 #   CREDITS_CLAIM_AT_COMMIT=1 benches/profile.sh layered 10
 #
 # Needs perf (with permission to sample every CPU: root, CAP_PERFMON, or
@@ -22,8 +23,8 @@ cd "$(dirname "$0")/.."
 
 route="${1:-}"
 seconds="${2:-10}"
-if [[ "$route" != baseline && "$route" != layered ]]; then
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+if [[ "$route" != baseline && "$route" != layered && "$route" != minimal ]]; then
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 for tool in perf python3; do

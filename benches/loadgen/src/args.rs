@@ -61,7 +61,8 @@ pub(crate) struct Args {
     #[arg(long, value_name = "SECS", default_value = "1", value_parser = parse_secs)]
     pub(crate) warmup: Duration,
     /// Which routes to load: baseline and layered interleaved, those two with the minimal
-    /// protocol's route between them (`ceiling`), or one alone.
+    /// protocol's route between them (`ceiling`), or one alone (`minimal` is the minimal
+    /// protocol's route alone, for profiling it).
     #[arg(long, value_enum, default_value_t = Routes::Both)]
     pub(crate) routes: Routes,
     /// Seconds a request may take before it counts as a transport error.
@@ -150,6 +151,8 @@ pub(crate) enum Routes {
     Layered,
     /// Only the unprotected baseline route.
     Baseline,
+    /// Only the hand-written minimal protocol (`/minimal`), for profiling it alone.
+    Minimal,
     /// The baseline, the hand-written minimal protocol (`/minimal`) and the layered route,
     /// interleaved: the layer against the ceiling over HTTP, in the same run.
     Ceiling,
@@ -161,6 +164,7 @@ impl Routes {
             Routes::Both => &[Route::Baseline, Route::Layered],
             Routes::Layered => &[Route::Layered],
             Routes::Baseline => &[Route::Baseline],
+            Routes::Minimal => &[Route::Minimal],
             Routes::Ceiling => &[Route::Baseline, Route::Minimal, Route::Layered],
         }
     }
