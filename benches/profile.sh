@@ -17,14 +17,14 @@
 # (DATABASE_URL or the local default). The service and the load generator are counted by
 # their process ids; PostgreSQL is every process named `postgres` (its background writers
 # included, which the load keeps busy too), so run it with nothing else using the server.
-# Run the two routes one after the other and compare: on a shared machine, repeat both.
+# Run the routes one after the other and compare: on a shared machine, repeat each.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 route="${1:-}"
 seconds="${2:-10}"
 if [[ "$route" != baseline && "$route" != layered && "$route" != minimal ]]; then
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 for tool in perf python3; do
