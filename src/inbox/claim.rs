@@ -39,8 +39,8 @@ impl Inbox {
             message_id = %identity.message_id(),
             outcome = tracing::field::Empty,
         );
-        let labels = self.labels.of(&identity);
-        let wait_labels = self.labels.of_consumer_shared(identity.consumer_shared());
+        // What the metrics need of the identity, which the claim takes: two reference counts.
+        let counted = identity.clone();
         let started = Instant::now();
         let mut timed = false;
         let claim = self
@@ -48,12 +48,13 @@ impl Inbox {
             .instrument(span.clone())
             .await;
         if claim.is_ok() && timed {
+            let wait_labels = self.labels.of_consumer_shared(counted.consumer_shared());
             m::observe_seconds(m::CLAIM_WAIT, &wait_labels, started.elapsed().as_secs_f64());
         }
         let outcome = match &claim {
             Ok(claim) => {
                 self.observe_taken(!matches!(claim, Claim::Claimed(_)));
-                count_claim(claim, &labels)
+                count_claim(claim, || self.labels.of(&counted))
             }
             Err(err) => err.kind(),
         };
@@ -94,7 +95,7 @@ impl Inbox {
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
             let claimed = if free {
-                let claim = bind_identity!(sqlx::query(&claim_sql), &identity)
+                let claim = bind_identity!(crate::sql::query(&claim_sql), &identity)
                     .bind(&fingerprint_hex)
                     .bind(handler_version.as_bytes())
                     .bind(lock.0)
@@ -118,7 +119,7 @@ impl Inbox {
             }
             // Taken: by a committed row, or by a claim in flight. A read in the same
             // transaction (a new snapshot) tells which.
-            let read = bind_identity!(sqlx::query(&read_sql), &identity)
+            let read = bind_identity!(crate::sql::query(&read_sql), &identity)
                 .bind(lock.0)
                 .bind(lock.1)
                 .fetch_one(&mut tx);
@@ -229,7 +230,7 @@ impl Inbox {
         lock: ClaimLock,
     ) -> Result<Option<Settled>, InboxError> {
         let sql = self.schema.sql(sql::LOOKUP_OR_BUSY);
-        let row = bind_identity!(sqlx::query(&sql), identity)
+        let row = bind_identity!(crate::sql::query(&sql), identity)
             .bind(lock.0)
             .bind(lock.1)
             .fetch_one(self.guarded())
@@ -296,20 +297,17 @@ impl Inbox {
 }
 
 /// Counts a claim's outcome and names it (for the span).
-pub(crate) fn count_claim(claim: &Claim, labels: &[::metrics::Label]) -> &'static str {
-    match claim {
-        Claim::Claimed(_) => "claimed",
-        Claim::Duplicate(_) => {
-            m::count(m::DUPLICATES, labels, 1);
-            "duplicate"
-        }
-        Claim::Conflict(_) => {
-            m::count(m::IDENTITY_CONFLICTS, labels, 1);
-            "conflict"
-        }
-        Claim::InProgress => {
-            m::count(m::IN_PROGRESS, labels, 1);
-            "in-progress"
-        }
-    }
+pub(crate) fn count_claim(
+    claim: &Claim,
+    labels: impl FnOnce() -> Vec<::metrics::Label>,
+) -> &'static str {
+    let (counter, outcome) = match claim {
+        // Nothing to count: the labels are not even built on a first-seen command's path.
+        Claim::Claimed(_) => return "claimed",
+        Claim::Duplicate(_) => (m::DUPLICATES, "duplicate"),
+        Claim::Conflict(_) => (m::IDENTITY_CONFLICTS, "conflict"),
+        Claim::InProgress => (m::IN_PROGRESS, "in-progress"),
+    };
+    m::count(counter, &labels(), 1);
+    outcome
 }

@@ -205,7 +205,7 @@ impl ClaimedMessage {
                 m::count(m::FIRST_SEEN, &labels.of(&identity), 1);
                 "committed"
             }
-            Ok(Finished::ClaimedElsewhere(claim)) => count_claim(claim, &labels.of(&identity)),
+            Ok(Finished::ClaimedElsewhere(claim)) => count_claim(claim, || labels.of(&identity)),
             Err(err) => {
                 err.count(&labels.of_consumer_shared(identity.consumer_shared()));
                 err.kind()
@@ -231,7 +231,7 @@ impl ClaimedMessage {
                     .inbox
                     .schema()
                     .sql_for(sql::RECORD, sql::RECORD_PARTITIONED);
-                let record = bind_identity!(sqlx::query(&sql), &self.identity)
+                let record = bind_identity!(crate::sql::query(&sql), &self.identity)
                     .bind(status)
                     .bind(names)
                     .bind(values)
@@ -260,7 +260,7 @@ impl ClaimedMessage {
                     .await
                     .map_err(InboxError::classify)?;
                 let claimed = if free {
-                    let claim_now = bind_identity!(sqlx::query(&sql), &self.identity)
+                    let claim_now = bind_identity!(crate::sql::query(&sql), &self.identity)
                         .bind(claim.fingerprint.to_hex())
                         .bind(claim.handler_version.as_bytes())
                         .bind(lock.0)

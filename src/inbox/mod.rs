@@ -268,7 +268,7 @@ impl Inbox {
         identity: &MessageIdentity,
     ) -> Result<Option<InboxEntry>, InboxError> {
         let sql = self.schema.sql(sql::LOOKUP);
-        let row = bind_identity!(sqlx::query(&sql), identity)
+        let row = bind_identity!(crate::sql::query(&sql), identity)
             .fetch_optional(self.guarded())
             .await
             .map_err(|e| self.failed(identity.consumer(), e))?;

@@ -116,7 +116,7 @@ impl Inbox {
         identity: &MessageIdentity,
     ) -> Result<Option<PgRow>, InboxError> {
         let sql = self.schema.sql(template);
-        bind_identity!(sqlx::query(&sql), identity)
+        bind_identity!(crate::sql::query(&sql), identity)
             .fetch_optional(self.guarded())
             .await
             .map_err(|e| self.failed(identity.consumer(), e))

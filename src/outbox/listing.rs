@@ -109,7 +109,7 @@ impl Outbox {
         identity: &MessageIdentity,
     ) -> Result<Vec<OutboxEntry>, OutboxError> {
         let sql = self.schema.sql(sql::FOR_MESSAGE);
-        let rows = bind_identity!(sqlx::query(&sql), identity)
+        let rows = bind_identity!(crate::sql::query(&sql), identity)
             .fetch_all(self.db())
             .await
             .map_err(OutboxError::from)?;

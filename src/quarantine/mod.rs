@@ -255,7 +255,7 @@ impl Quarantine {
         identity: &MessageIdentity,
     ) -> Result<Vec<QuarantineItem>, QuarantineError> {
         let sql = self.schema.sql(sql::FOR_IDENTITY);
-        let rows = bind_identity!(sqlx::query(&sql), &identity)
+        let rows = bind_identity!(crate::sql::query(&sql), &identity)
             .fetch_all(self.db())
             .await
             .map_err(QuarantineError::from)?;

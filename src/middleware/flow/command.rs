@@ -34,18 +34,17 @@ impl Command {
         let mut services = Services::new(inner);
         let mut attempt = 1;
         loop {
-            let (reason, ran_handler, commit_in_flight) =
-                match self.attempt(&mut services, attempt).await? {
-                    Step::Answer(outcome, response) => {
-                        tracing::Span::current().record("outcome", outcome);
-                        return Ok(response);
-                    }
-                    Step::Rerun {
-                        reason,
-                        ran_handler,
-                        commit_in_flight,
-                    } => (reason, ran_handler, commit_in_flight),
-                };
+            let (reason, ran_handler, commit_in_flight) = match self.attempt(&mut services).await? {
+                Step::Answer(outcome, response) => {
+                    tracing::Span::current().record("outcome", outcome);
+                    return Ok(response);
+                }
+                Step::Rerun {
+                    reason,
+                    ran_handler,
+                    commit_in_flight,
+                } => (reason, ran_handler, commit_in_flight),
+            };
             let Some(delay) = reruns.next(reason) else {
                 return Ok(if reason == RetryReason::ConnectionLost {
                     self.connection_lost(reruns.lost(), commit_in_flight)
@@ -69,7 +68,6 @@ impl Command {
     pub(super) async fn attempt<S, ResBody>(
         &self,
         services: &mut Services<S>,
-        attempt: u32,
     ) -> Result<Step, S::Error>
     where
         S: Service<Request<Body>, Response = Response<ResBody>> + Clone,
@@ -80,11 +78,7 @@ impl Command {
         // A re-run waits for the inner service to be ready before it claims, so that a
         // concurrency limit or load shedder inside does not hold a claim (a pooled connection
         // and the key's lock) while it waits. The first run's service is ready already.
-        let mut ready = if attempt > 1 {
-            Some(services.ready().await?)
-        } else {
-            None
-        };
+        services.ready().await?;
         let claim = match config.claim_mode {
             ClaimMode::First => {
                 config
@@ -114,8 +108,9 @@ impl Command {
                 {
                     Ok(Some(answer)) => {
                         inbox.observe_taken(true);
-                        let labels = inbox.metric_labels().of(&self.identity);
-                        crate::inbox::count_claim(&answer, &labels);
+                        crate::inbox::count_claim(&answer, || {
+                            inbox.metric_labels().of(&self.identity)
+                        });
                         if waited {
                             m::observe_seconds(
                                 m::CLAIM_WAIT,
@@ -140,11 +135,9 @@ impl Command {
         };
         let step = match claim {
             Ok(Claim::Claimed(message)) => {
-                let service = match ready.take() {
-                    Some(service) => service,
-                    None => services.ready().await?,
-                };
-                return self.run_handler(service, TxSlot::new(message)).await;
+                return self
+                    .run_handler(services.for_call(), TxSlot::new(message))
+                    .await;
             }
             Ok(seen) => self.answer_seen(seen).await,
             Err(err) => match err.retry_reason() {

@@ -21,7 +21,7 @@ use crate::problem::{Problem, ProblemKind};
 impl Command {
     pub(super) async fn run_handler<S, ResBody>(
         &self,
-        mut service: S,
+        service: &mut S,
         slot: TxSlot,
     ) -> Result<Step, S::Error>
     where
@@ -187,28 +187,38 @@ impl Command {
 }
 
 /// The inner service for each run of the handler: the one the caller drove to readiness
-/// first, then fresh clones of it, each driven to readiness in turn.
+/// first, then a fresh clone of it for each re-run, driven to readiness in turn.
 pub(super) struct Services<S> {
     service: S,
-    fresh: bool,
+    ready: bool,
 }
 
 impl<S: Service<Request<Body>> + Clone> Services<S> {
     pub(super) fn new(ready: S) -> Self {
         Self {
             service: ready,
-            fresh: true,
+            ready: true,
         }
     }
 
-    pub(super) async fn ready(&mut self) -> Result<S, S::Error> {
-        // Cloned only once a claim needs the handler: replays never pay for it.
-        let mut next = self.service.clone();
-        if std::mem::take(&mut self.fresh) {
-            // Hand out the service the caller made ready; keep the clone for re-runs.
-            return Ok(std::mem::replace(&mut self.service, next));
+    /// Drives the service for the next run to readiness; a no-op until it has been called.
+    pub(super) async fn ready(&mut self) -> Result<(), S::Error> {
+        if self.ready {
+            return Ok(());
         }
+        // Cloned only when a run follows another: the first run calls the caller's service
+        // itself, so a command that runs once pays for no clone.
+        let mut next = self.service.clone();
         std::future::poll_fn(|cx| next.poll_ready(cx)).await?;
-        Ok(next)
+        self.service = next;
+        self.ready = true;
+        Ok(())
+    }
+
+    /// The ready service, for one call: the run after it needs [`ready`](Self::ready) again.
+    pub(super) fn for_call(&mut self) -> &mut S {
+        debug_assert!(self.ready, "Services::ready must come before each call");
+        self.ready = false;
+        &mut self.service
     }
 }
