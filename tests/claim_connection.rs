@@ -367,51 +367,94 @@ fn any_consumer_name_round_trips_through_the_claim() {
 /// evaluated once before the row reaches the insert: its plan shows the lock as the
 /// "One-Time Filter" of the `Result` node the insert reads, and no scan the lock could run
 /// in once per row. Read from the statement the crate prepared on its one connection.
+/// The generic plan (the one a statement cached per connection runs from) of the statement
+/// this connection prepared whose text is like `like`, run with `arguments` of `types`.
+async fn generic_plan(conn: &mut PgConnection, like: &str, types: &str, arguments: &str) -> String {
+    let statement: String =
+        sqlx::query_scalar("select statement from pg_prepared_statements where statement like $1")
+            .bind(like)
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap_or_else(|e| panic!("no prepared statement like {like}: {e}"));
+    // The generic plan is the one the crate's cached statement gets.
+    sqlx::raw_sql(&format!(
+        "prepare plan_of ({types}) as {statement}; set plan_cache_mode = force_generic_plan"
+    ))
+    .execute(&mut *conn)
+    .await
+    .expect("prepare");
+    let plan: Vec<String> =
+        sqlx::query_scalar(&format!("explain (costs off) execute plan_of({arguments})"))
+            .fetch_all(&mut *conn)
+            .await
+            .expect("explain");
+    sqlx::raw_sql("deallocate plan_of; reset plan_cache_mode")
+        .execute(&mut *conn)
+        .await
+        .expect("clean up");
+    plan.join("\n")
+}
+
+/// The claim made first, as a statement whose plan PostgreSQL sets up on every run: the try-lock
+/// is a one-time filter, and nothing stands between the `SELECT` and the insert. The record
+/// finds the claimed row where the claim put it (a `Tid Scan`), not through the primary key.
 #[tokio::test]
-async fn the_claim_tries_the_lock_once_as_a_one_time_filter() {
+async fn the_claim_tries_the_lock_once_as_a_one_time_filter_and_the_record_finds_its_row() {
     let app = TestApp::new().await;
     let inbox = Inbox::new(app.pool_with(1, &[]));
     let message = claimed(&inbox, "plan", Duration::ZERO).await;
-    message.rollback().await.expect("rollback");
+    message.commit(Some(&response())).await.expect("commit");
     let mut conn = inbox
         .pool()
         .acquire()
         .await
         .expect("the claim's connection");
-    let claim: String = sqlx::query_scalar(
-        "select statement from pg_prepared_statements
-         where statement like 'insert into %consumer_inbox %'",
+    let claim = generic_plan(
+        &mut conn,
+        "insert into %consumer_inbox %",
+        "bytea, bytea, bytea, text, text, bytea, int4, int4",
+        "'c', 'p', '', 'k', 's', 'v', 1, 2",
     )
-    .fetch_one(&mut *conn)
-    .await
-    .expect("the claim's prepared statement");
-    sqlx::raw_sql(&format!(
-        "prepare claim_plan (bytea, bytea, bytea, text, text, bytea, int4, int4) as {claim}"
-    ))
-    .execute(&mut *conn)
-    .await
-    .expect("prepare");
-    sqlx::raw_sql("set plan_cache_mode = force_generic_plan")
-        .execute(&mut *conn)
-        .await
-        .expect("generic plans, as the crate's cached statement gets");
-    let plan: Vec<String> = sqlx::query_scalar(
-        "explain (costs off) execute claim_plan('c', 'p', '', 'k', 's', 'v', 1, 2)",
-    )
-    .fetch_all(&mut *conn)
-    .await
-    .expect("explain");
-    let plan = plan.join("\n");
+    .await;
     assert!(
-        plan.contains("One-Time Filter: pg_try_advisory_xact_lock($7, $8)"),
-        "{plan}"
+        claim.contains("One-Time Filter: pg_try_advisory_xact_lock($7, $8)"),
+        "{claim}"
     );
     assert!(
-        !plan.contains("CTE") && !plan.contains("Subquery Scan"),
-        "{plan}"
+        !claim.contains("CTE") && !claim.contains("Subquery Scan"),
+        "{claim}"
     );
-    sqlx::raw_sql("deallocate claim_plan; reset plan_cache_mode")
-        .execute(&mut *conn)
-        .await
-        .expect("clean up");
+    let record = generic_plan(
+        &mut conn,
+        "update %consumer_inbox i set processed_at%",
+        "text, text, int2, text[], bytea[], bytea",
+        "'(0,1)', 'k', 201, '{}', '{}', ''",
+    )
+    .await;
+    assert!(record.contains("Tid Scan on consumer_inbox i"), "{record}");
+    assert!(!record.contains("Index"), "{record}");
+}
+
+/// The claim at commit names every column, so that the planner drops the `Subquery Scan`
+/// that the `SELECT`'s volatile `clock_timestamp()` would otherwise keep between it and the
+/// insert.
+#[tokio::test]
+async fn the_claim_at_commit_has_no_subquery_scan() {
+    let app = TestApp::with_pool_size(1).await;
+    let router = app.credits_with(|b| b.claim_mode(tower_inbox::inbox::ClaimMode::AtCommit));
+    let reply = common::send(&router, common::credit("a1", Some("k1"), Some("app"), 3)).await;
+    assert_eq!(reply.status, http::StatusCode::CREATED);
+    let mut conn = app.pool.acquire().await.expect("the claim's connection");
+    let claim = generic_plan(
+        &mut conn,
+        "insert into %consumer_inbox %",
+        "bytea, bytea, bytea, text, text, bytea, int4, int4, int2, text[], bytea[], bytea",
+        "'c', 'p', '', 'k', 's', 'v', 1, 2, 201, '{}', '{}', ''",
+    )
+    .await;
+    assert!(
+        claim.contains("One-Time Filter: pg_try_advisory_xact_lock($7, $8)"),
+        "{claim}"
+    );
+    assert!(!claim.contains("Subquery Scan"), "{claim}");
 }

@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use axum::extract::Path;
@@ -28,9 +28,16 @@ fn layer(
         .expect("layer")
 }
 
-/// A credit handler answering `body_len` bytes; while `sabotage` is set it also deletes its
-/// own claim row before answering, so the record finds nothing to record on.
-fn credit_router(pool: &sqlx::PgPool, sabotage: Arc<AtomicBool>, body_len: usize) -> Router {
+/// What the handler of [`credit_router`] does to its own claim row before answering.
+const KEEP: u8 = 0;
+/// Deletes it: the record finds nothing to record on.
+const DELETE: u8 = 1;
+/// Updates it in place, which moves it to a new `ctid`: the record, which finds the row where
+/// the claim put it, finds nothing there.
+const MOVE: u8 = 2;
+
+/// A credit handler answering `body_len` bytes that does `sabotage` to its claim row.
+fn credit_router(pool: &sqlx::PgPool, sabotage: Arc<AtomicU8>, body_len: usize) -> Router {
     Router::new()
         .route(
             "/accounts/{account}/credits",
@@ -38,13 +45,22 @@ fn credit_router(pool: &sqlx::PgPool, sabotage: Arc<AtomicBool>, body_len: usize
                 let sabotage = sabotage.clone();
                 async move {
                     common::add_one(&mut tx, &account).await;
-                    if sabotage.load(Ordering::SeqCst) {
-                        let key = tx.identity().message_id().as_str().to_owned();
-                        sqlx::query("delete from tower_inbox.consumer_inbox where message_id = $1")
-                            .bind(key)
-                            .execute(&mut *tx)
-                            .await
-                            .expect("delete the claim");
+                    let statement = match sabotage.load(Ordering::SeqCst) {
+                        DELETE => "delete from tower_inbox.consumer_inbox where message_id = $1",
+                        MOVE => {
+                            "update tower_inbox.consumer_inbox set handler_version = handler_version
+                             where message_id = $1"
+                        }
+                        _ => "select $1",
+                    };
+                    let key = tx.identity().message_id().as_str().to_owned();
+                    let touched = sqlx::query(statement)
+                        .bind(key)
+                        .execute(&mut *tx)
+                        .await
+                        .expect("sabotage the claim");
+                    if sabotage.load(Ordering::SeqCst) != KEEP {
+                        assert_eq!(touched.rows_affected(), 1, "the claim row was there");
                     }
                     (StatusCode::CREATED, "x".repeat(body_len)).into_response()
                 }
@@ -56,36 +72,33 @@ fn credit_router(pool: &sqlx::PgPool, sabotage: Arc<AtomicBool>, body_len: usize
 #[tokio::test]
 async fn a_record_that_finds_no_claimed_row_commits_nothing_and_the_key_stays_retryable() {
     // A small body and one far over the 32 KiB that once took another path.
-    for body_len in [16, 256 * 1024] {
+    for (sabotage_with, body_len) in [(DELETE, 16), (DELETE, 256 * 1024), (MOVE, 16)] {
+        let case = format!("sabotage {sabotage_with}, body {body_len}");
         let app = TestApp::new().await;
-        let sabotage = Arc::new(AtomicBool::new(true));
+        let sabotage = Arc::new(AtomicU8::new(sabotage_with));
         let router = credit_router(&app.pool, sabotage.clone(), body_len);
 
         let reply = send(&router, credit("a1", Some("k"), Some("app"), 1)).await;
-        assert_eq!(
-            reply.status,
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "{body_len}"
-        );
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR, "{case}");
         assert_eq!(reply.problem_type(), "internal");
-        assert_eq!(app.inbox_rows().await, 0, "{body_len}: no claim committed");
+        assert_eq!(app.inbox_rows().await, 0, "{case}: no claim committed");
         assert_eq!(
             app.balance("a1").await,
             None,
-            "{body_len}: the business write rolled back with it"
+            "{case}: the business write rolled back with it"
         );
 
-        sabotage.store(false, Ordering::SeqCst);
+        sabotage.store(KEEP, Ordering::SeqCst);
         let retry = send(&router, credit("a1", Some("k"), Some("app"), 1)).await;
-        assert_eq!(retry.status, StatusCode::CREATED, "{body_len}");
-        assert!(!retry.replayed(), "{body_len}: the retry runs");
+        assert_eq!(retry.status, StatusCode::CREATED, "{case}");
+        assert!(!retry.replayed(), "{case}: the retry runs");
         assert_eq!(retry.body.len(), body_len);
         let row = app.inbox_row("app", "k").await.expect("claimed row");
         assert!(row.processed);
         assert_eq!(row.body.map(|b| b.len()), Some(body_len));
         let again = send(&router, credit("a1", Some("k"), Some("app"), 1)).await;
-        assert!(again.replayed(), "{body_len}");
-        assert_eq!(app.balance("a1").await, Some(1), "{body_len}: applied once");
+        assert!(again.replayed(), "{case}");
+        assert_eq!(app.balance("a1").await, Some(1), "{case}: applied once");
     }
 }
 

@@ -36,11 +36,11 @@ const REFUSED: &str = "refused by the test";
 /// What the logged text of each statement holds.
 const CLAIM: [&str; 2] = [
     "insert into tower_inbox.consumer_inbox (",
-    "handler_version) select",
+    "null, null, null, null, null where",
 ];
 const CLAIM_AT_COMMIT: [&str; 2] = [
     "insert into tower_inbox.consumer_inbox (",
-    "response_body) select",
+    "pg_catalog.clock_timestamp(), $9",
 ];
 const RECORD: [&str; 1] = ["update tower_inbox.consumer_inbox i"];
 
@@ -315,8 +315,9 @@ async fn markers_are_found_in_a_log_with_statement_parameters() {
     let telling = t
         .app
         .pool_with(5, &[("log_parameter_max_length_on_error", "-1")]);
-    t.refuse("update", "consumer_inbox").await;
-    assert_internal(&t.send(&telling, ClaimMode::First, "record").await);
+    // The claim at commit binds every marker: the identity and the response.
+    t.refuse("insert", "consumer_inbox").await;
+    assert_internal(&t.send(&telling, ClaimMode::AtCommit, "telling").await);
     let log = t.cluster.log_since(t.mark).expect("server log");
     assert_eq!(markers_in(&log), MARKERS, "{log}");
 }

@@ -110,11 +110,12 @@ impl Inbox {
             *timed = true;
             if let Some(row) = claimed {
                 let failed_before = row.try_get("failed").map_err(InboxError::Database)?;
+                let row = row.try_get("claimed_row").map_err(InboxError::Database)?;
                 return Ok(Claim::Claimed(ClaimedMessage::new(
                     tx,
                     identity,
                     self.clone(),
-                    message::Claimed::First { failed_before },
+                    message::Claimed::First { failed_before, row },
                 )));
             }
             // Taken: by a committed row, or by a claim in flight. A read in the same

@@ -46,8 +46,9 @@ pub struct ClaimedMessage {
 #[derive(Debug)]
 pub(crate) enum Claimed {
     /// By the transaction's first statement, which also saw whether earlier attempts
-    /// failed (then the success recovers their quarantine item).
-    First { failed_before: bool },
+    /// failed (then the success recovers their quarantine item), and where it put the row
+    /// (its `ctid`, which the record updates: see `sql::RECORD`).
+    First { failed_before: bool, row: String },
     /// Not yet: at commit, with the recorded response.
     AtCommit(ClaimAtCommit),
 }
@@ -226,12 +227,14 @@ impl ClaimedMessage {
         }
         let (status, names, values, body) = response_binds(response);
         let failed_before = match &self.claimed {
-            Claimed::First { failed_before } => {
+            Claimed::First { failed_before, row } => {
                 let sql = self
                     .inbox
                     .schema()
                     .sql_for(sql::RECORD, sql::RECORD_PARTITIONED);
-                let record = bind_identity!(crate::sql::query(&sql), &self.identity)
+                let record = crate::sql::query(&sql)
+                    .bind(row.as_str())
+                    .bind(self.identity.message_id().as_str())
                     .bind(status)
                     .bind(names)
                     .bind(values)

@@ -69,9 +69,10 @@ macro_rules! partitioned_free {
 }
 
 /// The claim's statement: the key's advisory try-lock, then the insert of the identity
-/// (`$1`..`$4`), fingerprint (`$5`) and handler version (`$6`), with `$columns` and `$values`
-/// after them, unless the lock is held; a row comes back when it inserted, saying whether
-/// earlier attempts failed.
+/// (`$1`..`$4`), fingerprint (`$5`) and handler version (`$6`), `received_at`, then
+/// `$response` (`processed_at` and the four response columns), unless the lock is held; a
+/// row comes back when it inserted, saying whether earlier attempts failed, and
+/// `$returning` after that.
 ///
 /// The try-lock is the condition of a `SELECT` without `FROM`, which makes one row: the
 /// condition is evaluated once, for that row, before the row reaches the insert and its
@@ -81,33 +82,63 @@ macro_rules! partitioned_free {
 /// measures both against the hand-written minimal protocol). In the partitioned claim the
 /// planner may evaluate the `NOT EXISTS` first and skip the try-lock when a row exists; the
 /// lock is held already there ([`CLAIM_PARTITIONED`]).
+///
+/// The `SELECT` names every column of the table, in the table's order, `received_at`'s
+/// default included: then the insert takes the `SELECT`'s row as it is. Otherwise the claim
+/// at commit, whose `clock_timestamp()` is volatile and keeps the `SELECT` from being merged
+/// into the insert, gets a `Subquery Scan` between them to add the missing columns, one more
+/// node to set up on every run (about 1 000 of PostgreSQL's instructions; a test in
+/// `tests/claim_connection.rs` reads both claims' plans).
 macro_rules! claim {
-    ($columns:literal, $values:literal) => {
-        claim!($columns, $values, "pg_catalog.pg_try_advisory_xact_lock($7, $8)")
+    ($response:literal, $returning:literal,) => {
+        claim!($response, $returning, "pg_catalog.pg_try_advisory_xact_lock($7, $8)")
     };
-    ($columns:literal, $values:literal, $($free:tt)+) => {
+    ($response:literal, $returning:literal, $($free:tt)+) => {
         concat!(
             "insert into tower_inbox.consumer_inbox \
                  (consumer_name, producer_name, tenant_id, message_id, payload_sha256, \
-                  handler_version",
-            $columns,
-            ") select ",
+                  handler_version, received_at, processed_at, response_status, \
+                  response_header_names, response_header_values, response_body) \
+             select ",
             message_values!(),
-            $values,
+            ", pg_catalog.now(), ",
+            $response,
             " where ",
             $($free)+,
             " on conflict do nothing \
              returning ",
             failed_before!(),
-            " as failed"
+            " as failed",
+            $returning
         )
+    };
+}
+
+/// What a claim made first inserts for the response (none yet), and returns after `failed`:
+/// where the row it inserted is (`claimed_row`, its `ctid`), for [`RECORD`].
+macro_rules! claim_first {
+    ($($free:tt)*) => {
+        claim!(
+            "null, null, null, null, null",
+            ", ctid::text as claimed_row",
+            $($free)*
+        )
+    };
+}
+
+/// What a claim at commit inserts for the response: `processed_at`, then `$9` status, `$10`
+/// header names, `$11` header values, `$12` body; only `failed` comes back.
+macro_rules! claim_at_commit {
+    ($($free:tt)*) => {
+        claim!("pg_catalog.clock_timestamp(), $9, $10, $11, $12", "", $($free)*)
     };
 }
 
 /// Claims a message as the first statement of its transaction. Parameters: the identity
 /// (`$1`..`$4`), the fingerprint (`$5`), the handler version (`$6`) and the claim lock's
 /// two keys (`$7`, `$8`). A row comes back when it claimed, with `failed`: whether earlier
-/// attempts failed ([`failed_before!`]).
+/// attempts failed ([`failed_before!`]), and `claimed_row`: the row's `ctid`, which
+/// [`RECORD`] updates.
 ///
 /// The claim never waits and never raises. It first tries the key's advisory lock, which
 /// every claim of the key holds until its transaction ends: held elsewhere, the original is
@@ -117,17 +148,13 @@ macro_rules! claim {
 ///
 /// Under `REPEATABLE READ` and `SERIALIZABLE`, meeting a row committed after the snapshot is
 /// a serialization failure (`40001`) instead, and the caller re-runs the transaction.
-pub(crate) const CLAIM: &str = claim!("", "");
+pub(crate) const CLAIM: &str = claim_first!();
 
 /// Claims at commit: the transaction's last statement before `COMMIT` inserts the inbox row
 /// with the recorded response, so the claim and the record are one statement. As [`CLAIM`],
 /// with the response after the lock keys (`$9` status, `$10` header names, `$11` header
-/// values, `$12` body).
-pub(crate) const CLAIM_AT_COMMIT: &str = claim!(
-    ", processed_at, response_status, response_header_names, response_header_values, \
-     response_body",
-    ", pg_catalog.clock_timestamp(), $9, $10, $11, $12"
-);
+/// values, `$12` body), and `failed` alone coming back.
+pub(crate) const CLAIM_AT_COMMIT: &str = claim_at_commit!();
 
 /// The partitioned layout's claim: the key's row may be in any partition, and the primary
 /// key (which includes `received_at`) no longer meets it, so the claim looks for a
@@ -139,41 +166,47 @@ pub(crate) const CLAIM_AT_COMMIT: &str = claim!(
 /// under `READ COMMITTED`; under `REPEATABLE READ` or `SERIALIZABLE` the transaction's first
 /// snapshot would be used, so the layer refuses those levels with this layout. Parameters
 /// and result as [`CLAIM`].
-pub(crate) const CLAIM_PARTITIONED: &str = claim!("", "", partitioned_free!());
+pub(crate) const CLAIM_PARTITIONED: &str = claim_first!(partitioned_free!());
 
 /// [`CLAIM_AT_COMMIT`] for the partitioned layout, as [`CLAIM_PARTITIONED`].
-pub(crate) const CLAIM_AT_COMMIT_PARTITIONED: &str = claim!(
-    ", processed_at, response_status, response_header_names, response_header_values, \
-     response_body",
-    ", pg_catalog.clock_timestamp(), $9, $10, $11, $12",
-    partitioned_free!()
-);
+pub(crate) const CLAIM_AT_COMMIT_PARTITIONED: &str = claim_at_commit!(partitioned_free!());
 
-/// The record's update of the claimed row, found by its key and `$rest`.
+/// The record's update of the claimed row, found where the claim put it and by `$rest`.
 macro_rules! record {
     ($rest:literal) => {
         concat!(
             "update tower_inbox.consumer_inbox i \
-             set processed_at = pg_catalog.clock_timestamp(), response_status = $5, \
-                 response_header_names = $6, response_header_values = $7, response_body = $8 \
-             where ",
-            key_is!("i"),
+             set processed_at = pg_catalog.clock_timestamp(), response_status = $3, \
+                 response_header_names = $4, response_header_values = $5, response_body = $6 \
+             where i.ctid = $1::tid and i.message_id = $2",
             $rest,
             " returning 1"
         )
     };
 }
 
-/// Records the outcome on the row this transaction claimed (`$5` status, `$6` header names,
-/// `$7` header values, `$8` body); a row comes back when it found the claimed row, and it
-/// must: a claim never commits without its response. The update touches no indexed column,
-/// so it can be HOT. `processed_at` is the time of recording (`clock_timestamp()`), not the
-/// start of the transaction (`now()`, which `received_at` holds).
+/// Records the outcome on the row this transaction claimed: `$1` the `claimed_row` the
+/// claim returned, `$2` the message ID, then `$3` status, `$4` header names, `$5` header
+/// values, `$6` body. A row comes back when it found the claimed row, and it must: a claim
+/// never commits without its response. The update touches no indexed column, so it can be
+/// HOT. `processed_at` is the time of recording (`clock_timestamp()`), not the start of the
+/// transaction (`now()`, which `received_at` holds).
+///
+/// The row is found by its `ctid` (a `Tid Scan`), not by its key: the claim inserted it in
+/// this transaction, so no other transaction can update, lock or vacuum it, and nothing in
+/// the protocol updates it before the record. Finding it by its four key columns took a
+/// primary-key descent comparing text in the database's collation and three conversions of
+/// the bound names: about 45 000 of PostgreSQL's instructions per command, 7% of what the
+/// layer's first-seen statements cost it (callgrind, BENCHMARKS.md). The message ID must
+/// match too: should the row have moved (a handler that updated the inbox row itself) or a
+/// `ctid` ever name another row, the record finds none and the transaction rolls back rather
+/// than commit a response on the wrong command.
 pub(crate) const RECORD: &str = record!("");
 
-/// [`RECORD`] for the partitioned layout: the claimed row's `received_at` is this
-/// transaction's `now()` (the column's default), so the update goes to that partition alone
-/// instead of probing each partition's primary key.
+/// [`RECORD`] for the partitioned layout: a `ctid` is a place within one partition, and the
+/// claimed row's `received_at`, this transaction's `now()` (the claim wrote it), names the
+/// partition it is in; no two partitions hold rows with the same `received_at`. The
+/// partitions it rules out are pruned when the statement starts.
 pub(crate) const RECORD_PARTITIONED: &str = record!(" and i.received_at = pg_catalog.now()");
 
 /// Marks the quarantine item about earlier failed attempts of a command (key `$1`)
