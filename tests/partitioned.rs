@@ -291,6 +291,29 @@ async fn the_partitioned_claim_sees_a_row_committed_while_it_waited_for_the_lock
     assert_eq!(rows_of(&app.pool, "stale").await, 2);
 }
 
+/// The partitioned claim is correct under `READ COMMITTED` only, so the default level is named
+/// there: a database whose default is stricter does not change it.
+#[tokio::test]
+async fn the_default_level_is_read_committed_named() {
+    let app = partitioned_app().await;
+    app.set_for_new_sessions("default_transaction_isolation", "'serializable'")
+        .await;
+    let inbox = Inbox::new(app.pool_with(2, &[])).with_schema(schema());
+    assert_eq!(inbox.isolation(), IsolationLevel::DatabaseDefault);
+    let mut message = claimed(&inbox, "level", b"x").await;
+    let level: String = message
+        .with_connection(async |conn| {
+            sqlx::query_scalar("show transaction_isolation")
+                .fetch_one(conn)
+                .await
+        })
+        .await
+        .expect("level");
+    assert_eq!(level, "read committed");
+    message.commit(Some(&response())).await.expect("commit");
+    assert_eq!(rows_of(&app.pool, "level").await, 1);
+}
+
 #[tokio::test]
 async fn repeatable_read_and_serializable_are_refused() {
     let app = partitioned_app().await;

@@ -188,7 +188,8 @@ async fn a_commit_whose_answer_is_lost_is_run_again_and_the_claim_decides() {
         let proxy = Proxy::start(upstream(&app)).await;
         let (router, _pool) = credits_through(&app, &proxy, 4).await;
 
-        // The simple-query COMMIT; "READ COMMITTED" in the BEGIN does not end in a NUL.
+        // The simple-query COMMIT, which ends in a NUL ("READ COMMITTED" in a BEGIN that
+        // names it does not).
         proxy.arm(b"COMMIT\0", cut);
         let reply = send(&router, credit("a1", Some("k"), Some("app"), 7)).await;
         proxy.cut_done().await;

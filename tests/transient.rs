@@ -19,7 +19,8 @@ use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
 use tokio::sync::Barrier;
 use tower_inbox::fingerprint::Fingerprint;
 use tower_inbox::inbox::{
-    Claim, ClaimedMessage, Inbox, InboxError, IsolationLevel, RetryReason, TransientRetry,
+    Claim, ClaimMode, ClaimedMessage, Inbox, InboxError, IsolationLevel, RetryReason,
+    TransientRetry,
 };
 use tower_inbox::producer::TrustedHeader;
 use tower_inbox::{InboxLayer, InboxLayerBuilder, InboxTx, MessageIdentity, MessageKey, Producer};
@@ -458,19 +459,10 @@ async fn concurrent_duplicates_commit_once(level: IsolationLevel, expected: &str
     );
 
     // The claimed transaction runs at the configured level.
-    let probe = Router::new()
-        .route(
-            "/run",
-            post(|mut tx: InboxTx| async move {
-                sqlx::query_scalar::<_, String>("show transaction_isolation")
-                    .fetch_one(&mut *tx)
-                    .await
-                    .expect("isolation")
-            }),
-        )
-        .layer(layer(&app, "probe", |b| b.isolation_level(level)));
-    let reply = send(&probe, command("probe")).await;
-    assert_eq!(&reply.body[..], expected.as_bytes());
+    assert_eq!(
+        level_seen(&app.pool, level, ClaimMode::First).await,
+        expected
+    );
 }
 
 #[tokio::test]
@@ -486,6 +478,61 @@ async fn concurrent_duplicates_commit_once_at_repeatable_read() {
 #[tokio::test]
 async fn concurrent_duplicates_commit_once_at_serializable() {
     concurrent_duplicates_commit_once(IsolationLevel::Serializable, "serializable").await;
+}
+
+#[tokio::test]
+async fn concurrent_duplicates_commit_once_at_the_database_default() {
+    concurrent_duplicates_commit_once(IsolationLevel::DatabaseDefault, "read committed").await;
+}
+
+/// The level a handler's transaction runs at, through a layer over `pool` configured by
+/// `level` and `mode`.
+async fn level_seen(pool: &sqlx::PgPool, level: IsolationLevel, mode: ClaimMode) -> String {
+    let layer = InboxLayer::builder(pool.clone(), "levels")
+        .producer(TrustedHeader::new("x-producer"))
+        .isolation_level(level)
+        .claim_mode(mode)
+        .build()
+        .expect("layer");
+    let probe = Router::new()
+        .route(
+            "/run",
+            post(|mut tx: InboxTx| async move {
+                sqlx::query_scalar::<_, String>("show transaction_isolation")
+                    .fetch_one(&mut *tx)
+                    .await
+                    .expect("isolation")
+            }),
+        )
+        .layer(layer);
+    let key = format!("{level:?}-{mode:?}");
+    let reply = send(&probe, command(&key)).await;
+    assert_eq!(reply.status, StatusCode::OK, "{key}: {reply:?}");
+    String::from_utf8(reply.body.to_vec()).expect("utf-8")
+}
+
+/// The default starts the transaction with a plain `BEGIN`, so the database's default level
+/// is the handler's; a level named in the settings is the handler's whatever the database's
+/// default, in both claim modes.
+#[tokio::test]
+async fn the_default_level_is_the_databases_and_a_named_level_stays() {
+    let app = TestApp::new().await;
+    app.set_for_new_sessions("default_transaction_isolation", "'serializable'")
+        .await;
+    let pool = app.pool_with(4, &[]);
+    for mode in [ClaimMode::First, ClaimMode::AtCommit] {
+        for (level, expected) in [
+            (IsolationLevel::DatabaseDefault, "serializable"),
+            (IsolationLevel::ReadCommitted, "read committed"),
+            (IsolationLevel::RepeatableRead, "repeatable read"),
+        ] {
+            assert_eq!(
+                level_seen(&pool, level, mode).await,
+                expected,
+                "{level:?} {mode:?}"
+            );
+        }
+    }
 }
 
 /// The first claim of `key` (consumer `broker`, producer `payments`) in `inbox`.

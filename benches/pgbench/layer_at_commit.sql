@@ -6,7 +6,7 @@
 \set aid random(0, 9999)
 \set key :client_id * 100000000000000 + random(0, 99999999999999)
 \set lock :key % 2000000000
-BEGIN ISOLATION LEVEL READ COMMITTED;
+BEGIN;
 insert into credit_account (account_id, balance) values (:aid, 1)
 on conflict (account_id) do update set balance = credit_account.balance + excluded.balance
 returning balance \gset

@@ -8,7 +8,7 @@
 \set aid random(0, 9999)
 \set key :client_id * 100000000000000 + random(0, 99999999999999)
 \set lock :key % 2000000000
-BEGIN ISOLATION LEVEL READ COMMITTED;
+BEGIN;
 insert into tower_inbox.consumer_inbox (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version, received_at, processed_at, response_status, response_header_names, response_header_values, response_body) select pg_catalog.convert_from(:consumer, 'UTF8') collate pg_catalog."default", pg_catalog.convert_from(:producer, 'UTF8') collate pg_catalog."default", pg_catalog.convert_from(:tenant, 'UTF8') collate pg_catalog."default", :key, :sha, pg_catalog.convert_from(:version, 'UTF8') collate pg_catalog."default", pg_catalog.now(), null, null, null, null, null where pg_catalog.pg_try_advisory_xact_lock(:client_id, :lock) on conflict do nothing returning exists (select 1 from tower_inbox.consumer_inbox_failure f where f.consumer_name = pg_catalog.convert_from(:consumer, 'UTF8') collate pg_catalog."default" and f.producer_name = pg_catalog.convert_from(:producer, 'UTF8') collate pg_catalog."default" and f.tenant_id = pg_catalog.convert_from(:tenant, 'UTF8') collate pg_catalog."default" and f.message_id = :key) as failed, ctid::text as claimed_row \gset
 insert into credit_account (account_id, balance) values (:aid, 1)
 on conflict (account_id) do update set balance = credit_account.balance + excluded.balance

@@ -493,7 +493,9 @@ impl ConsumerBuilder {
         self
     }
 
-    /// The isolation level of the claimed transaction (default read committed).
+    /// The isolation level of the claimed transaction (default
+    /// [`DatabaseDefault`](IsolationLevel::DatabaseDefault): the database's default level,
+    /// `READ COMMITTED` unless configured otherwise).
     pub fn isolation_level(mut self, level: IsolationLevel) -> Self {
         self.isolation = level;
         self

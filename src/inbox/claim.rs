@@ -87,7 +87,7 @@ impl Inbox {
         loop {
             let mut tx = self
                 .guarded()
-                .begin(self.isolation.begin())
+                .begin(self.isolation.begin(self.schema.layout()))
                 .await
                 .map_err(|e| self.failed(consumer, e))?;
             let free = self
@@ -258,7 +258,7 @@ impl Inbox {
         self.check_layout(identity.consumer()).await?;
         let tx = self
             .guarded()
-            .begin(self.isolation.begin())
+            .begin(self.isolation.begin(self.schema.layout()))
             .await
             .map_err(|e| self.failed(identity.consumer(), e))?;
         let at_commit = message::ClaimAtCommit {

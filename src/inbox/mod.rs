@@ -105,7 +105,8 @@ pub struct Inbox {
 
 impl Inbox {
     /// An inbox over a pool whose database has the [`migrate`](crate::migrate) migrations
-    /// applied, in the default schema; claims run at `READ COMMITTED`, look a key up before
+    /// applied, in the default schema; claims run at the database's default isolation level
+    /// ([`IsolationLevel::DatabaseDefault`]), look a key up before
     /// opening a transaction for it while duplicates are common (see
     /// [`with_lookup_first`](Self::with_lookup_first)), and metrics carry the consumer label.
     pub fn new(pool: PgPool) -> Self {

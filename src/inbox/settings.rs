@@ -1,5 +1,7 @@
 //! How claimed transactions run: their isolation level, and when the claim is made.
 
+use crate::schema::Layout;
+
 /// The isolation level claimed transactions run at.
 ///
 /// The claim is correct at every level: under `RepeatableRead` and `Serializable` a claim
@@ -7,8 +9,18 @@
 /// reading it, and the re-run (a new transaction, a new snapshot) sees it as a duplicate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum IsolationLevel {
-    /// `READ COMMITTED`, PostgreSQL's own default (the default here too).
+    /// The database's default for new transactions (the session's
+    /// `default_transaction_isolation`: `READ COMMITTED` unless the server, the database or
+    /// the role sets another), the default here: the transaction starts with a plain
+    /// `BEGIN`, as sqlx's `Pool::begin` starts one. Naming the level costs PostgreSQL work
+    /// on every transaction (it sets the level as a setting, and at commit walks every
+    /// setting to undo it): about 7 000 instructions, 1.2 to 1.4% of what the layer's
+    /// statements for a first-seen command cost it (BENCHMARKS.md). With the [partitioned layout](crate::partition), whose
+    /// claim is correct under `READ COMMITTED` only, the level is named: `READ COMMITTED`.
     #[default]
+    DatabaseDefault,
+    /// `READ COMMITTED`, PostgreSQL's own default, named in `BEGIN` so that no
+    /// `default_transaction_isolation` changes it.
     ReadCommitted,
     /// `REPEATABLE READ`: one snapshot for the whole handler.
     RepeatableRead,
@@ -18,11 +30,13 @@ pub enum IsolationLevel {
 }
 
 impl IsolationLevel {
-    /// The `BEGIN` statement; the level is always named, so a database's
+    /// The `BEGIN` statement: plain for the database's default, unless the schema's `layout`
+    /// needs `READ COMMITTED`; otherwise the level is named, so a database's
     /// `default_transaction_isolation` does not change it.
-    pub(crate) fn begin(self) -> &'static str {
+    pub(crate) fn begin(self, layout: Layout) -> &'static str {
         match self {
-            Self::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
+            Self::DatabaseDefault if layout == Layout::Plain => "BEGIN",
+            Self::DatabaseDefault | Self::ReadCommitted => "BEGIN ISOLATION LEVEL READ COMMITTED",
             Self::RepeatableRead => "BEGIN ISOLATION LEVEL REPEATABLE READ",
             Self::Serializable => "BEGIN ISOLATION LEVEL SERIALIZABLE",
         }

@@ -323,9 +323,12 @@ impl<P> InboxLayerBuilder<P> {
         self
     }
 
-    /// The isolation level of the claimed transaction (default `READ COMMITTED`). The claim
-    /// stays correct at every level; stricter levels turn more contention into
-    /// serialization failures, which are re-run.
+    /// The isolation level of the claimed transaction (default
+    /// [`DatabaseDefault`](IsolationLevel::DatabaseDefault): a plain `BEGIN`, at the
+    /// database's `default_transaction_isolation`, `READ COMMITTED` unless configured
+    /// otherwise). The claim stays correct at every level; stricter levels turn more
+    /// contention into serialization failures, which are re-run. Name a level to keep the
+    /// database's default from changing it.
     pub fn isolation_level(mut self, level: IsolationLevel) -> Self {
         self.isolation = level;
         self
