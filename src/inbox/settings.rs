@@ -15,8 +15,9 @@ pub enum IsolationLevel {
     /// `BEGIN`, as sqlx's `Pool::begin` starts one. Naming the level costs PostgreSQL work
     /// on every transaction (it sets the level as a setting, and at commit walks every
     /// setting to undo it): about 7 000 instructions, 1.2 to 1.4% of what the layer's
-    /// statements for a first-seen command cost it (BENCHMARKS.md). With the [partitioned layout](crate::partition), whose
-    /// claim is correct under `READ COMMITTED` only, the level is named: `READ COMMITTED`.
+    /// statements for a first-seen command cost it (BENCHMARKS.md). With the [partitioned
+    /// layout](crate::partition), whose claim is correct under `READ COMMITTED` only, the
+    /// level is named: `READ COMMITTED`.
     #[default]
     DatabaseDefault,
     /// `READ COMMITTED`, PostgreSQL's own default, named in `BEGIN` so that no

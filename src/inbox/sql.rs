@@ -203,10 +203,10 @@ macro_rules! record {
 /// than commit a response on the wrong command.
 pub(crate) const RECORD: &str = record!("");
 
-/// [`RECORD`] for the partitioned layout: a `ctid` is a place within one partition, and the
-/// claimed row's `received_at`, this transaction's `now()` (the claim wrote it), names the
-/// partition it is in; no two partitions hold rows with the same `received_at`. The
-/// partitions it rules out are pruned when the statement starts.
+/// [`RECORD`] for the partitioned layout: a `ctid` is a place within one partition, so the
+/// update also needs the claimed row's `received_at`, this transaction's `now()` (the claim
+/// wrote it): no two partitions hold rows with the same `received_at`, so no row of another
+/// partition at the same place can match.
 pub(crate) const RECORD_PARTITIONED: &str = record!(" and i.received_at = pg_catalog.now()");
 
 /// Marks the quarantine item about earlier failed attempts of a command (key `$1`)
