@@ -41,7 +41,6 @@
 set -euo pipefail
 
 here="$(cd "$(dirname "$0")" && pwd)"
-root="$(cd "$here/../.." && pwd)"
 db=tower_inbox_pgbench
 clients="${CLIENTS:-32}"
 threads="${THREADS:-2}"
@@ -73,49 +72,15 @@ if ! psql "$maintenance" -qAtc 'select 1' >/dev/null; then
     exit 1
 fi
 
-sql() { psql "$scratch" -q -v ON_ERROR_STOP=1 "$@"; }
+# shellcheck source=benches/pgbench/common.sh
+source "$here/common.sh"
 
 echo "preparing $db on ${server#*@} ($(psql "$maintenance" -qAtc 'show server_version'))" >&2
-psql "$maintenance" -q -v ON_ERROR_STOP=1 -c "drop database if exists $db with (force)"
-psql "$maintenance" -q -v ON_ERROR_STOP=1 -c "create database $db"
-# The migrations name no schema: run them with the inbox schema alone on the search_path, as
-# tower_inbox::migrate does.
-sql -c "create schema tower_inbox"
-for migration in "$root"/migrations/*.sql; do
-    PGOPTIONS="-c search_path=tower_inbox" sql --single-transaction -f "$migration"
-done
-sql -f "$root/examples/credits/schema.sql"
+create_database "$maintenance" "$db" "$scratch"
 
 # Every run starts from the same tables: no ledger, 10 000 accounts at 0, REPLAY_ROWS recorded
 # responses, a fresh checkpoint.
-reset() {
-    sql >/dev/null <<SQL
-truncate credit_ledger, credit_account, tower_inbox.consumer_inbox,
-         tower_inbox.consumer_inbox_failure, tower_inbox.inbox_quarantine restart identity;
-insert into credit_account (account_id, balance) select g::text, 0 from generate_series(0, 9999) g;
-insert into tower_inbox.consumer_inbox
-    (consumer_name, producer_name, tenant_id, message_id, payload_sha256, handler_version,
-     processed_at, response_status, response_header_names, response_header_values, response_body)
-select 'credits', 'bench', 't', g::text,
-       '2f0c6a7a3ac4b3b35e0c8c4e1b7d3f4a9a1e5c2d6b8f0e1a2c3d4e5f6a7b8c9d', '1',
-       now(), 201, '{content-type}', array['application/json'::bytea],
-       convert_to('{"account_id":"acct-' || g % 10000 || '","balance":42,"delta":1}', 'UTF8')
-from generate_series(1, $replay_rows) g;
-vacuum analyze;
-checkpoint;
-SQL
-}
-
-# The values the layer binds, as the credits example would (with a tenant: pgbench takes no
-# empty value): names as bytea (text input of
-# plain ASCII is its bytes), the recorded response, and a quarantine key no item has.
-values=(
-    -D consumer=credits -D producer=bench -D tenant=t -D version=1
-    -D sha=2f0c6a7a3ac4b3b35e0c8c4e1b7d3f4a9a1e5c2d6b8f0e1a2c3d4e5f6a7b8c9d
-    -D status=201 -D 'header_names={content-type}' -D 'header_values={application/json}'
-    -D 'body={"account_id":"acct-1234","balance":42,"delta":1}'
-    -D item=handler-failure:credits-bench
-)
+reset() { reset_tables "$scratch" "$replay_rows"; }
 
 # A number from pgbench's summary, e.g. `field tps` for "tps = 7412.3 (without ...)".
 field() { sed -n "s/^$1 = \([0-9.]*\).*/\1/p" | head -n 1; }
