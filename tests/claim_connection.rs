@@ -363,10 +363,6 @@ fn any_consumer_name_round_trips_through_the_claim() {
     });
 }
 
-/// The claim tries the key's lock as the one-time condition of a `SELECT` without `FROM`,
-/// evaluated once before the row reaches the insert: its plan shows the lock as the
-/// "One-Time Filter" of the `Result` node the insert reads, and no scan the lock could run
-/// in once per row. Read from the statement the crate prepared on its one connection.
 /// The generic plan (the one a statement cached per connection runs from) of the statement
 /// this connection prepared whose text is like `like`, run with `arguments` of `types`.
 async fn generic_plan(conn: &mut PgConnection, like: &str, types: &str, arguments: &str) -> String {
@@ -395,9 +391,12 @@ async fn generic_plan(conn: &mut PgConnection, like: &str, types: &str, argument
     plan.join("\n")
 }
 
-/// The claim made first, as a statement whose plan PostgreSQL sets up on every run: the try-lock
-/// is a one-time filter, and nothing stands between the `SELECT` and the insert. The record
+/// The claim tries the key's lock as the one-time condition of a `SELECT` without `FROM`,
+/// evaluated once before the row reaches the insert: its plan shows the lock as the
+/// "One-Time Filter" of the `Result` node the insert reads, and no scan the lock could run
+/// in once per row, nor a `Subquery Scan` between the `SELECT` and the insert. The record
 /// finds the claimed row where the claim put it (a `Tid Scan`), not through the primary key.
+/// Read from the statements the crate prepared on its one connection.
 #[tokio::test]
 async fn the_claim_tries_the_lock_once_as_a_one_time_filter_and_the_record_finds_its_row() {
     let app = TestApp::new().await;
