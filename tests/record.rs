@@ -45,7 +45,8 @@ fn credit_router(pool: &sqlx::PgPool, sabotage: Arc<AtomicU8>, body_len: usize) 
                 let sabotage = sabotage.clone();
                 async move {
                     common::add_one(&mut tx, &account).await;
-                    let statement = match sabotage.load(Ordering::SeqCst) {
+                    let sabotage = sabotage.load(Ordering::SeqCst);
+                    let statement = match sabotage {
                         DELETE => "delete from tower_inbox.consumer_inbox where message_id = $1",
                         MOVE => {
                             "update tower_inbox.consumer_inbox set handler_version = handler_version
@@ -59,7 +60,7 @@ fn credit_router(pool: &sqlx::PgPool, sabotage: Arc<AtomicU8>, body_len: usize) 
                         .execute(&mut *tx)
                         .await
                         .expect("sabotage the claim");
-                    if sabotage.load(Ordering::SeqCst) != KEEP {
+                    if sabotage != KEEP {
                         assert_eq!(touched.rows_affected(), 1, "the claim row was there");
                     }
                     (StatusCode::CREATED, "x".repeat(body_len)).into_response()

@@ -72,12 +72,12 @@ fn retries(consumer: &str, reason: &str) -> u64 {
 }
 
 fn layer(
-    app: &TestApp,
+    pool: &sqlx::PgPool,
     consumer: &str,
     configure: impl FnOnce(InboxLayerBuilder) -> InboxLayerBuilder,
 ) -> InboxLayer {
     configure(
-        InboxLayer::builder(app.pool.clone(), consumer).producer(TrustedHeader::new("x-producer")),
+        InboxLayer::builder(pool.clone(), consumer).producer(TrustedHeader::new("x-producer")),
     )
     .build()
     .expect("layer")
@@ -147,11 +147,12 @@ async fn write_skew_under_serializable_is_rerun_and_each_command_commits_once() 
         }
     };
     let consumer = "skew";
-    let router = Router::new()
-        .route("/run", post(handler))
-        .layer(layer(&app, consumer, |b| {
-            b.isolation_level(IsolationLevel::Serializable)
-        }));
+    let router =
+        Router::new()
+            .route("/run", post(handler))
+            .layer(layer(&app.pool, consumer, |b| {
+                b.isolation_level(IsolationLevel::Serializable)
+            }));
     let (a, b) = tokio::join!(send(&router, command("a")), send(&router, command("b")));
     assert_eq!(
         (a.status, b.status),
@@ -222,7 +223,7 @@ async fn a_deadlock_between_two_handlers_is_rerun_and_both_commit_once() {
     let consumer = "deadlock";
     let router = Router::new()
         .route("/slots/{order}", post(handler))
-        .layer(layer(&app, consumer, |b| b));
+        .layer(layer(&app.pool, consumer, |b| b));
     let request = |order: &str| {
         axum::http::Request::post(format!("/slots/{order}"))
             .header("idempotency-key", order)
@@ -295,9 +296,10 @@ async fn a_serialization_failure_at_commit_is_rerun() {
         }
     };
     let consumer = "commit-conflict";
-    let router = Router::new()
-        .route("/run", post(handler))
-        .layer(layer(&app, consumer, |b| b));
+    let router =
+        Router::new()
+            .route("/run", post(handler))
+            .layer(layer(&app.pool, consumer, |b| b));
     let reply = send(&router, command("k")).await;
     assert_eq!(reply.status, StatusCode::CREATED);
     assert_eq!(&reply.body[..], b"applied");
@@ -343,9 +345,10 @@ async fn a_requested_rerun_runs_the_handler_again_with_the_same_request() {
         }
     };
     let consumer = "requested";
-    let router = Router::new()
-        .route("/run", post(handler))
-        .layer(layer(&app, consumer, |b| b));
+    let router =
+        Router::new()
+            .route("/run", post(handler))
+            .layer(layer(&app.pool, consumer, |b| b));
     let reply = send(&router, command("k")).await;
     assert_eq!(reply.status, StatusCode::ACCEPTED);
     assert_eq!(runs.load(Ordering::SeqCst), 2);
@@ -395,9 +398,10 @@ async fn reruns_that_run_out_answer_503_and_commit_nothing() {
     };
     let consumer = "exhausted";
     let retry = TransientRetry::new(4, Duration::from_millis(1), Duration::from_millis(5));
-    let router = Router::new()
-        .route("/run", post(handler))
-        .layer(layer(&app, consumer, |b| b.transient_retry(retry)));
+    let router =
+        Router::new()
+            .route("/run", post(handler))
+            .layer(layer(&app.pool, consumer, |b| b.transient_retry(retry)));
     let reply = send(&router, command("k")).await;
     assert_eq!(reply.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(reply.problem_type(), "transaction-conflict");
@@ -422,7 +426,7 @@ async fn reruns_that_run_out_answer_503_and_commit_nothing() {
     // With re-runs turned off the first conflict is the answer.
     let once = Router::new()
         .route("/run", post(|| async { StatusCode::CREATED }))
-        .layer(layer(&app, "never", |b| {
+        .layer(layer(&app.pool, "never", |b| {
             b.transient_retry(TransientRetry::never())
         }));
     assert_eq!(send(&once, command("n")).await.status, StatusCode::CREATED);
@@ -488,12 +492,6 @@ async fn concurrent_duplicates_commit_once_at_the_database_default() {
 /// The level a handler's transaction runs at, through a layer over `pool` configured by
 /// `level` and `mode`.
 async fn level_seen(pool: &sqlx::PgPool, level: IsolationLevel, mode: ClaimMode) -> String {
-    let layer = InboxLayer::builder(pool.clone(), "levels")
-        .producer(TrustedHeader::new("x-producer"))
-        .isolation_level(level)
-        .claim_mode(mode)
-        .build()
-        .expect("layer");
     let probe = Router::new()
         .route(
             "/run",
@@ -504,7 +502,9 @@ async fn level_seen(pool: &sqlx::PgPool, level: IsolationLevel, mode: ClaimMode)
                     .expect("isolation")
             }),
         )
-        .layer(layer);
+        .layer(layer(pool, "levels", |b| {
+            b.isolation_level(level).claim_mode(mode)
+        }));
     let key = format!("{level:?}-{mode:?}");
     let reply = send(&probe, command(&key)).await;
     assert_eq!(reply.status, StatusCode::OK, "{key}: {reply:?}");
